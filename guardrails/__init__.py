@@ -1,0 +1,37 @@
+"""guardrails: detect, heal, flag and count NaN/Inf logits at named sampling sites.
+
+    import guardrails as gr
+    guards = gr.Guardrails()                 # settings from GUARDRAILS_* and the config file
+    flags = guards.site("sampler.logits")(logits)   # in place; uint8 row flags, or None
+
+Importing this package has no side effects: no logging set-up, no metrics registered, no
+environment read. Those happen when a `Guardrails` is built.
+"""
+
+from __future__ import annotations
+
+from guardrails.attach import GuardedFunction, Handle
+from guardrails.exceptions import ConfigError, Problem
+from guardrails.flags import CountKind, RowFlag
+from guardrails.registry import Guardrails, default, sanitize_logits_
+from guardrails.settings import GuardSettings, SiteSettings
+from guardrails.sites import DisabledSite, LogitsSite, TokenSite
+
+__all__ = [
+    "ConfigError",
+    "CountKind",
+    "DisabledSite",
+    "GuardSettings",
+    "GuardedFunction",
+    "Guardrails",
+    "Handle",
+    "LogitsSite",
+    "Problem",
+    "RowFlag",
+    "SiteSettings",
+    "TokenSite",
+    "default",
+    "sanitize_logits_",
+]
+
+__version__ = "0.1.0.dev0"

@@ -1,0 +1,3 @@
+from guardrails.cli import main
+
+raise SystemExit(main())

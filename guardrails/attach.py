@@ -1,0 +1,139 @@
+"""Attaching sites to someone else's code, removably.
+
+Every attach returns something with `.remove()` that also works as a context manager, like
+torch's `RemovableHandle`: a decorated function (`GuardedFunction`, which stops guarding once
+removed) or a `Handle` for a forward hook or a patched attribute.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["GuardedFunction", "Handle", "SiteCall", "attach_module", "logits_of"]
+
+
+class SiteCall(Protocol):
+    """What an attach point calls: any site (enabled or disabled)."""
+
+    name: str
+
+    def __call__(self, tensor: torch.Tensor, /) -> torch.Tensor | None: ...
+
+
+def logits_of(value: Any) -> torch.Tensor:
+    """The logits tensor in a model output: a tensor, `.logits` (transformers' outputs), a
+    mapping with "logits", or the first element of a tuple/list."""
+    if isinstance(value, torch.Tensor):
+        return value
+    found = getattr(value, "logits", None)
+    if isinstance(found, torch.Tensor):
+        return found
+    if isinstance(value, dict):
+        found = value.get("logits")
+        if isinstance(found, torch.Tensor):
+            return found
+    if isinstance(value, tuple | list) and value:
+        first = value[0]
+        if isinstance(first, torch.Tensor):
+            return first
+    raise TypeError(
+        f"guardrails: cannot find logits in a {type(value).__name__}; pass select= to say where"
+    )
+
+
+class _Removable:
+    def remove(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> _Removable:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+
+class Handle(_Removable):
+    """Undoes one attach when `.remove()` is called (idempotent) or its `with` block ends."""
+
+    def __init__(self, undo: Callable[[], None], description: str) -> None:
+        self._undo: Callable[[], None] | None = undo
+        self.description = description
+
+    @property
+    def active(self) -> bool:
+        return self._undo is not None
+
+    def remove(self) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __repr__(self) -> str:
+        return f"<Handle {self.description} {'active' if self.active else 'removed'}>"
+
+
+class GuardedFunction(_Removable):
+    """A function whose returned logits are guarded in place; `.remove()` stops guarding."""
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        site: SiteCall,
+        *,
+        select: Callable[[Any], torch.Tensor] | None = None,
+    ) -> None:
+        functools.update_wrapper(self, func)
+        self.__wrapped__ = func
+        self.site = site
+        self._select = select or logits_of
+        self.active = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.__wrapped__(*args, **kwargs)
+        if self.active:
+            self.site(self._select(result))
+        return result
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        # Decorating a method: bind like a function would.
+        if instance is None:
+            return self
+        return functools.partial(self.__call__, instance)
+
+    def remove(self) -> None:
+        self.active = False
+
+    def __enter__(self) -> GuardedFunction:
+        return self
+
+
+def attach_module(
+    module: nn.Module,
+    site: SiteCall,
+    *,
+    select: Callable[[Any], torch.Tensor] | None = None,
+) -> Handle:
+    """Guard `module`'s output logits in place after every forward."""
+    pick = select or logits_of
+
+    def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        site(pick(output))
+
+    handle = module.register_forward_hook(hook)
+    return Handle(handle.remove, f"forward hook {site.name!r} on {type(module).__name__}")

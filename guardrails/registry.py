@@ -1,0 +1,241 @@
+"""`Guardrails`: the service object that owns sites, their counts and the reporter.
+
+One instance per engine (or test); `default()` builds a process-wide one lazily from the
+environment. Sites are created on first request and cached by name: asking again for the same
+name returns the same object, so engine code may call `guards.site("sampler.logits")` in its
+hot loop or keep the returned site.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from guardrails.attach import GuardedFunction, Handle, attach_module
+from guardrails.flags import CountKind
+from guardrails.reporting import Reporter
+from guardrails.settings import GuardSettings
+from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite, validate_site_name
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["Guardrails", "default", "sanitize_logits_"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Guardrails:
+    """Named guarded sites built from one `GuardSettings` snapshot.
+
+    `registry` is the prometheus-client `CollectorRegistry` to register counters in (default:
+    the global one); `clock` and `logger` exist for tests of the throttled log events.
+    """
+
+    def __init__(
+        self,
+        settings: GuardSettings | None = None,
+        *,
+        registry: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        logger: Any = None,
+    ) -> None:
+        self.settings = GuardSettings() if settings is None else settings
+        self._sites: dict[str, Site] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._reporter = Reporter(self.settings, registry=registry, clock=clock, logger=logger)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Guardrails:
+        """Read `GUARDRAILS_*` and the config file now; keyword arguments override both."""
+        return cls(GuardSettings(**overrides))
+
+    # -- sites ----------------------------------------------------------------------------
+
+    def site(
+        self,
+        name: str,
+        *,
+        device: torch.device | str | None = None,
+        capacity: int | None = None,
+    ) -> LogitsSite | DisabledSite:
+        """The logits site `name` (created on first use).
+
+        `device`/`capacity` pre-allocate its buffers, as needed before a CUDA-graph capture.
+        """
+        site = self._sites.get(name)
+        if site is None:
+            site = self._create(name, "logits", device=device, capacity=capacity)
+        elif device is not None:
+            site.reserve(capacity or 1, device)
+        if isinstance(site, TokenSite) or site.kind != "logits":
+            raise ValueError(f"guardrails site {name!r} is a token-id site, not a logits site")
+        return site
+
+    def token_site(
+        self,
+        name: str,
+        *,
+        vocab_size: int,
+        device: torch.device | str | None = None,
+        capacity: int | None = None,
+    ) -> TokenSite | DisabledSite:
+        """The token-id site `name`; ids outside `[0, vocab_size)` are flagged and replaced."""
+        site = self._sites.get(name)
+        if site is None:
+            site = self._create(
+                name, "token_ids", vocab_size=vocab_size, device=device, capacity=capacity
+            )
+        elif device is not None:
+            site.reserve(capacity or 1, device)
+        if isinstance(site, LogitsSite) or site.kind != "token_ids":
+            raise ValueError(f"guardrails site {name!r} is a logits site, not a token-id site")
+        if isinstance(site, TokenSite) and site.vocab_size != vocab_size:
+            raise ValueError(
+                f"guardrails token site {name!r} exists with vocab_size={site.vocab_size}, "
+                f"asked for {vocab_size}"
+            )
+        return site
+
+    def _create(self, name: str, kind: str, **options: Any) -> Site:
+        validate_site_name(name)
+        with self._lock:
+            existing = self._sites.get(name)
+            if existing is not None:
+                return existing
+            if self._closed:
+                raise RuntimeError("this Guardrails instance is closed")
+            settings = self.settings
+            site: Site
+            if not settings.is_site_enabled(name):
+                site = DisabledSite(name, kind)
+            else:
+                config = settings.site_settings(name)
+                common: dict[str, Any] = {
+                    "reporter": self._reporter,
+                    "every_calls": settings.reporting.every_calls,
+                    "device": options.get("device"),
+                    "capacity": options.get("capacity"),
+                }
+                if kind == "logits":
+                    site = LogitsSite(
+                        name, config, min_temperature=settings.min_temperature, **common
+                    )
+                else:
+                    site = TokenSite(name, config, vocab_size=options["vocab_size"], **common)
+                self._reporter.register(site)
+            self._sites[name] = site
+            return site
+
+    @property
+    def sites(self) -> dict[str, Site]:
+        """The sites created so far, by name."""
+        return dict(self._sites)
+
+    def is_enabled(self, name: str) -> bool:
+        """Whether a site of this name guards (without creating it)."""
+        return self.settings.is_site_enabled(name)
+
+    # -- attach helpers -------------------------------------------------------------------
+
+    def guard_output(
+        self, site: str, *, select: Callable[[Any], torch.Tensor] | None = None
+    ) -> Callable[[F], GuardedFunction]:
+        """Decorator: guard the logits a function returns, in place, at `site`."""
+        target = self.site(site)
+
+        def decorate(func: F) -> GuardedFunction:
+            return GuardedFunction(func, target, select=select)
+
+        return decorate
+
+    def attach_module(
+        self,
+        module: nn.Module,
+        site: str,
+        *,
+        select: Callable[[Any], torch.Tensor] | None = None,
+    ) -> Handle:
+        """Forward hook: guard `module`'s output logits in place at `site`."""
+        return attach_module(module, self.site(site), select=select)
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Push the device counts that have reached the host to metrics and logs."""
+        self._reporter.poll()
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Exact cumulative counts `{(site, kind): n}` of enabled sites (waits for devices)."""
+        out: dict[tuple[str, str], int] = {}
+        for name, site in self.sites.items():
+            for kind, value in site.totals().items():
+                out[(name, str(kind))] = value
+        return out
+
+    def count(self, site: str, kind: CountKind | str) -> int:
+        """One exact count, 0 for a site never created."""
+        return self.counts().get((site, str(kind)), 0)
+
+    def close(self) -> None:
+        """Report everything still pending (exactly) and stop reporting. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._reporter.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Guardrails:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Guardrails {state} sites={sorted(self._sites)}>"
+
+
+_default: Guardrails | None = None
+_default_lock = threading.Lock()
+
+
+def default() -> Guardrails:
+    """The process-wide instance, built from the environment on first use."""
+    global _default
+    instance = _default
+    if instance is None:
+        with _default_lock:
+            if _default is None:
+                _default = Guardrails()
+            instance = _default
+    return instance
+
+
+def _reset_default() -> Guardrails | None:
+    """Forget the process-wide instance (tests, config reload); returns the old one."""
+    global _default
+    with _default_lock:
+        old, _default = _default, None
+    return old
+
+
+def sanitize_logits_(logits: torch.Tensor, site: str = "sampler.logits") -> torch.Tensor | None:
+    """Guard `logits` in place at `site` of the default instance; a drop-in for SGLang's
+    `sanitize_nan_logits`. Returns the row flags, or None where the site is disabled."""
+    return default().site(site)(logits)

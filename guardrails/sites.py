@@ -1,0 +1,475 @@
+"""Named sampling sites: the objects a guarded call goes through.
+
+A site is built once from settings and bakes them in: an enabled logits site holds one
+`HealSpec` per accepted dtype and the kernel for each device; a disabled site is a different
+class whose call returns None without looking at its argument. Per device, a site owns
+persistent buffers (row flags, int64 counts, kernel workspace, host mirror) made when the site
+first sees that device or when `reserve()` is called, never inside a CUDA-graph capture.
+
+The flags a call returns are a view of the site's buffer, valid until that site's next call on
+the same device (like a CUDA graph's static output): clone them to keep them longer.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+
+from guardrails.flags import LOGITS_SLOTS, TOKEN_SLOTS, CountKind, RowFlag
+from guardrails.kernels import HealSpec, LogitsKernel, posinf_replacement, select_logits_kernel
+from guardrails.kernels.reference import guard_token_ids_
+
+if TYPE_CHECKING:
+    from guardrails.reporting import Reporter
+    from guardrails.settings import SiteSettings
+
+__all__ = ["DisabledSite", "LogitsSite", "Site", "TokenSite", "validate_site_name"]
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,99}")
+_DEFAULT_CAPACITY: Final = 256
+_MAX_CACHED_VIEWS: Final = 64
+_ASSERTED: Final = int(RowFlag.NAN | RowFlag.POSINF | RowFlag.NO_VALID_TOKEN)
+_INTEGER_DTYPES: Final = frozenset(
+    {
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    }
+)
+
+
+def validate_site_name(name: object) -> str:
+    """Site names become metric labels: short, printable, no spaces."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"invalid site name {name!r}: use 1-100 characters from letters, digits and "
+            "'_.:-', such as 'sampler.logits'"
+        )
+    return name
+
+
+class DeviceCounts:
+    """One site's counters on one device, and their host mirror.
+
+    The device buffer is only ever added to. `request()` starts a non-blocking copy into a
+    host buffer (pinned on CUDA, so the copy is truly asynchronous) and records an event;
+    `latest()` returns the newest completed copy without waiting. On the CPU the buffer *is*
+    host memory, so `latest()` reads it directly.
+    """
+
+    __slots__ = ("_event", "_last", "_mirror", "_pending", "counts", "device")
+
+    def __init__(self, device: torch.device, slots: int) -> None:
+        self.device = device
+        self._last = [0] * slots
+        self._pending = False
+        with torch.inference_mode(False):
+            self.counts = torch.zeros(slots, dtype=torch.int64, device=device)
+            if device.type == "cuda":
+                # Pinned: a non-blocking copy into pageable memory would be synchronous.
+                # (torch.cuda.Event is untyped in torch's stubs, hence the ignores below.)
+                self._mirror = torch.zeros(slots, dtype=torch.int64, pin_memory=True)
+                self._event: torch.cuda.Event | None = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            else:
+                self._mirror = self.counts
+                self._event = None
+
+    def request(self) -> None:
+        """Start a copy of the device counts to the host unless one is in flight."""
+        if self._event is None or self._pending:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return  # a copy recorded into a graph would replay forever; count on replay only
+        self._mirror.copy_(self.counts, non_blocking=True)
+        self._event.record()
+        self._pending = True
+
+    def latest(self) -> list[int]:
+        """The newest host copy; never waits for the device."""
+        if self._event is None:
+            return [int(v) for v in self.counts.tolist()]
+        if self._pending and self._event.query():  # type: ignore[no-untyped-call]
+            self._pending = False
+            self._last = [int(v) for v in self._mirror.tolist()]
+        return self._last
+
+    def exact(self) -> list[int]:
+        """The current totals, waiting for the device (tests, `counts()`, shutdown)."""
+        values = [int(v) for v in self.counts.tolist()]
+        self._last = values
+        return values
+
+
+class _DeviceState:
+    __slots__ = ("capacity", "counts", "device", "flags", "views", "workspace")
+
+    def __init__(
+        self, device: torch.device, capacity: int, slots: int, kernel: LogitsKernel | None
+    ) -> None:
+        self.device = device
+        self.counts = DeviceCounts(device, slots)
+        self._allocate(capacity, kernel)
+
+    def _allocate(self, capacity: int, kernel: LogitsKernel | None) -> None:
+        self.capacity = capacity
+        # Ordinary tensors even when first sized inside inference mode, so that calls made
+        # outside it can still update them.
+        with torch.inference_mode(False):
+            self.flags = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
+            ws = kernel.workspace(capacity, self.device) if kernel is not None else None
+        self.views: dict[int, torch.Tensor] = {}
+        self.workspace = ws
+
+    def flags_view(self, rows: int, kernel: LogitsKernel | None, site: str) -> torch.Tensor:
+        if rows > self.capacity:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"guardrails site {site!r}: {rows} rows exceed the {self.capacity} reserved "
+                    f"on {self.device} during CUDA-graph capture; call "
+                    f"site.reserve({rows}, device) before capturing"
+                )
+            self._allocate(max(rows, 2 * self.capacity), kernel)
+        if len(self.views) >= _MAX_CACHED_VIEWS:
+            self.views.clear()
+        view = self.flags[:rows]
+        self.views[rows] = view
+        return view
+
+
+class _SiteBase:
+    """What logits and token-id sites share: name, per-device buffers, call counting."""
+
+    kind: str
+    slots: tuple[CountKind, ...]
+    enabled = True
+
+    def __init__(
+        self,
+        name: str,
+        reporter: Reporter | None,
+        *,
+        every_calls: int,
+        device: torch.device | str | None,
+        capacity: int | None,
+    ) -> None:
+        self.name = validate_site_name(name)
+        self._reporter = reporter
+        self._every = every_calls
+        self._lock = threading.Lock()
+        self._states: dict[torch.device, _DeviceState] = {}
+        self._state: _DeviceState | None = None  # the last device used: the common case
+        self._pinned_device = None if device is None else torch.device(device)
+        self._calls = 0
+        self.last_dtype: torch.dtype | None = None
+        self.last_shape: tuple[int, ...] = ()
+        if self._pinned_device is not None:
+            self.reserve(capacity or _DEFAULT_CAPACITY, self._pinned_device)
+
+    def _kernel(self, device: torch.device) -> LogitsKernel | None:
+        return None
+
+    def reserve(self, rows: int, device: torch.device | str) -> None:
+        """Allocate buffers for up to `rows` rows on `device` now (before a graph capture)."""
+        device = _normalise(torch.device(device))
+        with self._lock:
+            state = self._states.get(device)
+            kernel = self._kernel(device)
+            if state is None:
+                state = _DeviceState(device, max(rows, 1), len(self.slots), kernel)
+                self._states[device] = state
+                if self._reporter is not None:
+                    self._reporter.track(self, state.counts)
+            elif rows > state.capacity:
+                state._allocate(rows, kernel)
+            self._state = state
+
+    def _state_for(self, tensor: torch.Tensor) -> _DeviceState:
+        device = tensor.device
+        if self._pinned_device is not None and _normalise(device) != _normalise(
+            self._pinned_device
+        ):
+            raise ValueError(
+                f"guardrails site {self.name!r} was created for device {self._pinned_device}; "
+                f"got a tensor on {device}"
+            )
+        state = self._states.get(_normalise(device))
+        if state is None:
+            self.reserve(_DEFAULT_CAPACITY, device)
+            state = self._states[_normalise(device)]
+        self._state = state
+        return state
+
+    def _count_call(self, tensor: torch.Tensor, state: _DeviceState) -> None:
+        with self._lock:
+            self._calls += 1
+            due = self._calls % self._every == 0
+        if due and self._reporter is not None:
+            self.last_dtype = tensor.dtype
+            self.last_shape = tuple(tensor.shape)
+            state.counts.request()
+            self._reporter.tick()
+
+    # -- inspection -------------------------------------------------------------------
+
+    @property
+    def calls(self) -> int:
+        return self._calls
+
+    def device_counts(self) -> list[DeviceCounts]:
+        with self._lock:
+            return [state.counts for state in self._states.values()]
+
+    def totals(self) -> dict[CountKind, int]:
+        """Exact cumulative counts over all devices (waits for the devices)."""
+        totals = dict.fromkeys(self.slots, 0)
+        for counts in self.device_counts():
+            for kind, value in zip(self.slots, counts.exact(), strict=True):
+                totals[kind] += value
+        totals[CountKind.CALLS] = self._calls
+        return totals
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} calls={self._calls}>"
+
+
+def _normalise(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class LogitsSite(_SiteBase):
+    """Guards `[..., vocab]` logits in place; `site(logits)` returns uint8 flags [rows]."""
+
+    kind = "logits"
+    slots = LOGITS_SLOTS
+
+    def __init__(
+        self,
+        name: str,
+        config: SiteSettings,
+        *,
+        min_temperature: float,
+        reporter: Reporter | None = None,
+        every_calls: int = 32,
+        device: torch.device | str | None = None,
+        capacity: int | None = None,
+    ) -> None:
+        self.config = config
+        self._specs: dict[torch.dtype, HealSpec] = {}
+        for dtype_name in config.dtypes:
+            dtype = getattr(torch, dtype_name)
+            posinf = config.posinf_value
+            self._specs[dtype] = HealSpec(
+                nan_value=config.nan_value,
+                posinf_value=posinf_replacement(dtype, min_temperature)
+                if posinf is None
+                else posinf,
+                sanitize=bool(config.sanitize),
+                count_neginf=config.count_neginf,
+            )
+        self._kernels: dict[torch.device, LogitsKernel] = {}
+        self._assert_msg = (
+            f"guardrails: non-finite logits at site {name!r} (NaN, +Inf or a row with no "
+            "valid token); GUARDRAILS_ASYNC_ASSERT is on"
+            if config.async_assert
+            else None
+        )
+        super().__init__(name, reporter, every_calls=every_calls, device=device, capacity=capacity)
+
+    def _kernel(self, device: torch.device) -> LogitsKernel:
+        kernel = self._kernels.get(device)
+        if kernel is None:
+            kernel = self._kernels[device] = select_logits_kernel(device)
+        return kernel
+
+    def spec(self, dtype: torch.dtype) -> HealSpec:
+        """The resolved replacement values and switches used for `dtype`."""
+        return self._specs[dtype]
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        spec = self._specs.get(getattr(logits, "dtype", None))  # type: ignore[arg-type]
+        if spec is None:
+            raise self._type_error(logits)
+        state = self._state
+        if state is None or logits.device != state.device:
+            state = self._state_for(logits)
+        if logits.requires_grad or logits.is_inference():
+            with _writable(logits):
+                return self._guard(logits, spec, state)
+        return self._guard(logits, spec, state)
+
+    def _guard(self, logits: torch.Tensor, spec: HealSpec, state: _DeviceState) -> torch.Tensor:
+        if logits.dim() == 0:
+            raise ValueError(
+                f"guardrails site {self.name!r}: logits must have a vocab dimension, got a "
+                "0-d tensor"
+            )
+        vocab = logits.shape[-1]
+        rows = logits.numel() // vocab if vocab else _leading(logits)
+        kernel = self._kernels.get(state.device) or self._kernel(state.device)
+        flags = state.views.get(rows)
+        if flags is None:
+            flags = state.flags_view(rows, kernel, self.name)
+        if vocab == 0:
+            # No entry to sample from: each row is flagged and counted, nothing to write.
+            flags.fill_(int(RowFlag.NO_VALID_TOKEN))
+            state.counts.counts[LOGITS_SLOTS.index(CountKind.ROWS_NO_VALID_TOKEN)] += rows
+        elif rows:
+            kernel(logits, flags, state.counts.counts, spec, state.workspace)
+        if self._assert_msg is not None:
+            torch._assert_async(flags.bitwise_and(_ASSERTED).eq(0).all(), self._assert_msg)
+        self._count_call(logits, state)
+        return flags
+
+    def _type_error(self, logits: object) -> TypeError:
+        accepted = ", ".join(str(d).removeprefix("torch.") for d in self._specs)
+        if not isinstance(logits, torch.Tensor):
+            return TypeError(
+                f"guardrails site {self.name!r} expects a torch.Tensor of logits, got "
+                f"{type(logits).__name__}"
+            )
+        return TypeError(
+            f"guardrails site {self.name!r}: logits dtype {logits.dtype} is not accepted "
+            f"(accepted: {accepted}); the tensor was not modified"
+        )
+
+
+class TokenSite(_SiteBase):
+    """Guards sampled token ids in place; out-of-vocab ids are flagged, counted, replaced."""
+
+    kind = "token_ids"
+    slots = TOKEN_SLOTS
+
+    def __init__(
+        self,
+        name: str,
+        config: SiteSettings,
+        *,
+        vocab_size: int,
+        reporter: Reporter | None = None,
+        every_calls: int = 32,
+        device: torch.device | str | None = None,
+        capacity: int | None = None,
+    ) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+            raise ValueError(f"guardrails token site {name!r}: vocab_size must be an int > 0")
+        if config.replacement_id >= vocab_size:
+            raise ValueError(
+                f"guardrails token site {name!r}: replacement_id={config.replacement_id} is "
+                f"outside the vocabulary [0, {vocab_size})"
+            )
+        self.config = config
+        self.vocab_size = vocab_size
+        self._sanitize = bool(config.sanitize)
+        self._assert_msg = (
+            f"guardrails: out-of-vocab token id at site {name!r} (vocab_size={vocab_size}); "
+            "GUARDRAILS_ASYNC_ASSERT is on"
+            if config.async_assert
+            else None
+        )
+        super().__init__(name, reporter, every_calls=every_calls, device=device, capacity=capacity)
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if getattr(token_ids, "dtype", None) not in _INTEGER_DTYPES:
+            raise self._type_error(token_ids)
+        state = self._state
+        if state is None or token_ids.device != state.device:
+            state = self._state_for(token_ids)
+        if token_ids.is_inference():
+            with _writable(token_ids):
+                return self._guard(token_ids, state)
+        return self._guard(token_ids, state)
+
+    def _guard(self, ids: torch.Tensor, state: _DeviceState) -> torch.Tensor:
+        rows = _leading(ids) if ids.dim() >= 2 else max(ids.numel(), 1 if ids.dim() == 0 else 0)
+        flags = state.views.get(rows)
+        if flags is None:
+            flags = state.flags_view(rows, None, self.name)
+        if ids.numel():
+            guard_token_ids_(
+                ids,
+                flags,
+                state.counts.counts,
+                self.vocab_size,
+                self.config.replacement_id,
+                self._sanitize,
+            )
+        else:
+            flags.zero_()
+        if self._assert_msg is not None:
+            torch._assert_async(flags.eq(0).all(), self._assert_msg)
+        self._count_call(ids, state)
+        return flags
+
+    def _type_error(self, ids: object) -> TypeError:
+        if not isinstance(ids, torch.Tensor):
+            return TypeError(
+                f"guardrails token site {self.name!r} expects a torch.Tensor of token ids, got "
+                f"{type(ids).__name__}"
+            )
+        return TypeError(
+            f"guardrails token site {self.name!r}: token ids must be an integer tensor, got "
+            f"{ids.dtype}; the tensor was not modified"
+        )
+
+
+class DisabledSite:
+    """A site switched off by configuration: calls return None and touch nothing."""
+
+    __slots__ = ("kind", "name")
+    enabled = False
+    calls = 0
+
+    def __init__(self, name: str, kind: str) -> None:
+        self.name = validate_site_name(name)
+        self.kind = kind
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def reserve(self, rows: int, device: torch.device | str) -> None:
+        return None
+
+    def totals(self) -> dict[CountKind, int]:
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<DisabledSite {self.name!r}>"
+
+
+Site = LogitsSite | TokenSite | DisabledSite
+
+
+def _leading(tensor: torch.Tensor) -> int:
+    rows = 1
+    for size in tensor.shape[:-1]:
+        rows *= size
+    return rows
+
+
+class _writable:
+    """Make an in-place update legal: no autograd record, and inference tensors stay usable."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._contexts: list[Any] = []
+        if tensor.is_inference() and not torch.is_inference_mode_enabled():
+            self._contexts.append(torch.inference_mode())
+        elif tensor.requires_grad:
+            self._contexts.append(torch.no_grad())
+
+    def __enter__(self) -> None:
+        for context in self._contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for context in reversed(self._contexts):
+            context.__exit__(*exc)

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from guardrails.testing import fresh_guardrails, reset_default
+
+# CI explores more cases; locally the default profile keeps the loop fast.
+settings.register_profile(
+    "default", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=100
+)
+settings.register_profile(
+    "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=300
+)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible to torch)")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test sees the developer's GUARDRAILS_* variables or a default instance."""
+    for key in list(os.environ):
+        if key.startswith("GUARDRAILS_"):
+            monkeypatch.delenv(key)
+    reset_default()
+
+
+@pytest.fixture
+def guards():  # type: ignore[no-untyped-def]
+    instance = fresh_guardrails()
+    yield instance
+    instance.close()
