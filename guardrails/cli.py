@@ -1,62 +1,35 @@
-"""The `guardrails` command (also `python -m guardrails`)."""
+"""The `guardrails` command (also `python -m guardrails`).
+
+Each subcommand lives in `guardrails.commands.<name>` and exposes `register(subparsers)`,
+which adds its parser and sets `func(args) -> int` as the default. Modules are imported only
+when the command line is parsed, so `import guardrails` stays free of CLI dependencies.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main"]
+
+COMMANDS: tuple[str, ...] = ("demo",)
 
 
-def _demo(args: argparse.Namespace) -> int:
-    import torch
-
-    import guardrails as gr
-    from guardrails.testing import inject_
-
-    guards = gr.Guardrails()
-    logits_site = guards.site("sampler.logits")
-    ids_site = guards.token_site("sampler.token_ids", vocab_size=args.vocab)
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(args.rows, args.vocab, generator=generator).to(torch.float16)
-    inject_(logits, rows=[1], kind="nan", count=3, generator=generator)
-    inject_(logits, rows=[2], kind="posinf", count=2, generator=generator)
-    inject_(logits, rows=[3], kind="nan", count="all")
-    flags = logits_site(logits)
-    ids = torch.multinomial(torch.softmax(logits.float(), -1), 1).squeeze(1)
-    ids[0] = args.vocab + 7  # a faulty sampler
-    id_flags = ids_site(ids)
-    print(f"logits flags   {_show(flags)}")
-    print(f"token id flags {_show(id_flags)}")
-    print(f"{'site':<20} {'kind':<22} count")
-    for (site, kind), value in sorted(guards.counts().items()):
-        print(f"{site:<20} {kind:<22} {value}")
-    guards.close()
-    return 0
-
-
-def _show(flags: object) -> str:
-    import guardrails as gr
-
-    if flags is None:
-        return "(site disabled)"
-    values = flags.tolist()  # type: ignore[attr-defined]
-    return ", ".join(gr.RowFlag(v).name or "0" if v else "0" for v in values)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="guardrails", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="guard injected bad logits and print flags and counts")
-    demo.add_argument("--rows", type=int, default=4)
-    demo.add_argument("--vocab", type=int, default=32000)
-    demo.set_defaults(func=_demo)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="guardrails",
+        description="Guard LLM sampling against NaN/Inf logits: demo, inspect and run.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"guardrails.commands.{name}").register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     from guardrails.exceptions import ConfigError
 
     try:

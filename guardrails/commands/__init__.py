@@ -1,0 +1,1 @@
+"""Subcommands of the `guardrails` command, one module each (see `guardrails.cli`)."""
