@@ -1,50 +1,136 @@
-"""`guardrails demo`: guard injected bad logits at two sites and print flags and counts."""
+"""`guardrails demo`: a tiny float16 serving loop surviving injected faults."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+import sys
+import time
 from typing import Any
 
 
 def register(sub: Any) -> None:
     parser: argparse.ArgumentParser = sub.add_parser(
-        "demo", help="guard injected bad logits and print flags and counts"
+        "demo",
+        help="run a tiny float16 serving loop with injected faults, guarded",
+        description=(
+            "Serve generation requests on a tiny random-weight float16 decoder with faults "
+            "injected (fp16 overflow, NaN/Inf glitches, over-masking, out-of-vocab ids, a "
+            "degenerate draft branch). Honours every GUARDRAILS_* variable."
+        ),
     )
-    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=48, help="requests to serve")
+    parser.add_argument("--concurrency", type=int, default=8, help="rows per batch")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument(
+        "--fault-rate", type=float, default=0.04, help="chance per step of each fault kind"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-guard", action="store_true", help="run the same loop without guardrails"
+    )
+    parser.add_argument(
+        "--serve-after",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep serving /metrics this long after the loop ends",
+    )
     parser.set_defaults(func=run)
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _configure_console_logs() -> None:
+    # The demo is the host application here, so it may configure logging (the library never
+    # does). Respect a host/GUARDRAILS_LOG_FORMAT choice that already configured structlog.
+    import structlog
+
+    if not structlog.is_configured():
+        structlog.configure(
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="%H:%M:%S"),
+                structlog.dev.ConsoleRenderer(colors=False),
+            ],
+            logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     import guardrails as gr
-    from guardrails.testing import inject_
+    from guardrails.demo import DemoConfig, progress_bar, run_demo
 
-    guards = gr.Guardrails()
-    logits_site = guards.site("sampler.logits")
-    ids_site = guards.token_site("sampler.token_ids", vocab_size=args.vocab)
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(args.rows, args.vocab, generator=generator).to(torch.float16)
-    inject_(logits, rows=[1], kind="nan", count=3, generator=generator)
-    inject_(logits, rows=[2], kind="posinf", count=2, generator=generator)
-    inject_(logits, rows=[3], kind="nan", count="all")
-    flags = logits_site(logits)
-    ids = torch.multinomial(torch.softmax(logits.float(), -1), 1).squeeze(1)
-    ids[0] = args.vocab + 7  # a faulty sampler
-    id_flags = ids_site(ids)
-    print(f"logits flags   {_show(flags)}")
-    print(f"token id flags {_show(id_flags)}")
-    print(f"{'site':<20} {'kind':<22} count")
+    config = DemoConfig(
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_new_tokens=args.max_new_tokens,
+        vocab=args.vocab,
+        fault_rate=args.fault_rate,
+        seed=args.seed,
+        guard=not args.no_guard,
+    )
+    guards = None
+    if config.guard:
+        overrides: dict[str, Any] = {}
+        if "GUARDRAILS_METRICS_PORT" not in os.environ:
+            overrides["metrics"] = {"port": _free_port()}
+        settings = gr.GuardSettings(**overrides)
+        if settings.reporting.log_format == "host":
+            _configure_console_logs()
+        guards = gr.Guardrails(settings)
+        port = settings.metrics.port
+        if port:
+            print(f"metrics: http://{settings.metrics.addr}:{port}/metrics", flush=True)
+    print(
+        f"serving {config.requests} requests, {config.concurrency} at a time, on a tiny "
+        f"float16 decoder (vocab {config.vocab}); fault rate {config.fault_rate:g} per step "
+        f"per kind; guardrails {'ON' if guards else 'OFF'}",
+        flush=True,
+    )
+    started = time.perf_counter()
+    result = run_demo(config, guards, progress=progress_bar(config.requests))
+    wall = time.perf_counter() - started
+    if guards is not None:
+        guards.close()
+    _summary(result, guards, wall)
+    if guards is not None and args.serve_after > 0:
+        print(f"serving metrics for {args.serve_after:g} s more", flush=True)
+        time.sleep(args.serve_after)
+    return 1 if result.crashed else 0
+
+
+def _summary(result: Any, guards: Any, wall: float) -> None:
+    print()
+    if result.crashed:
+        print(f"SERVER CRASHED at {result.crashed}")
+        print(f"  {result.tokens} tokens served before the crash")
+    if result.garbage_tokens:
+        print(f"  {result.garbage_tokens} rows would have streamed garbage under greedy decoding")
+    rows = [
+        ("steps", result.steps),
+        ("tokens generated", result.tokens),
+        ("requests finished", result.finished),
+        ("requests aborted (flagged rows)", result.aborted),
+        ("rows healed or flagged", result.rows_healed),
+        ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(result.injected.items()))),
+        ("wall time", f"{wall:.1f} s"),
+    ]
+    if guards is not None and result.step_seconds:
+        share = 100 * result.guard_seconds / result.step_seconds
+        rows.append(("guard time / step time", f"{share:.2f} %"))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    if guards is None:
+        return
+    print()
+    print(f"{'site':<20} {'kind':<22} {'count':>8}")
     for (site, kind), value in sorted(guards.counts().items()):
-        print(f"{site:<20} {kind:<22} {value}")
-    guards.close()
-    return 0
-
-
-def _show(flags: Any) -> str:
-    import guardrails as gr
-
-    if flags is None:
-        return "(site disabled)"
-    return ", ".join(gr.RowFlag(v).name or "0" if v else "0" for v in flags.tolist())
+        print(f"{site:<20} {kind:<22} {value:>8}")
