@@ -22,8 +22,8 @@ demo: $(STAMP)
 test: lint typecheck pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check guardrails tests benchmarks
-	$(BIN)/ruff format --check guardrails tests benchmarks
+	$(BIN)/ruff check guardrails tests benchmarks deploy
+	$(BIN)/ruff format --check guardrails tests benchmarks deploy
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict guardrails
