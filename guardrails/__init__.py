@@ -13,6 +13,7 @@ from __future__ import annotations
 from guardrails.attach import GuardedFunction, Handle
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind, RowFlag
+from guardrails.logs import configure_json_logs
 from guardrails.registry import Guardrails, default, sanitize_logits_
 from guardrails.settings import GuardSettings, SiteSettings
 from guardrails.sites import DisabledSite, LogitsSite, TokenSite
@@ -30,6 +31,7 @@ __all__ = [
     "RowFlag",
     "SiteSettings",
     "TokenSite",
+    "configure_json_logs",
     "default",
     "sanitize_logits_",
 ]

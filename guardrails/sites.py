@@ -211,6 +211,10 @@ class _SiteBase:
         with self._lock:
             self._calls += 1
             due = self._calls % self._every == 0
+        if self.last_dtype is None:
+            # Log events reported before the first tick (a flush on close) still name them.
+            self.last_dtype = tensor.dtype
+            self.last_shape = tuple(tensor.shape)
         if due and self._reporter is not None:
             self.last_dtype = tensor.dtype
             self.last_shape = tuple(tensor.shape)

@@ -1,0 +1,84 @@
+"""Reporting on CUDA: no host sync on the guarded path, a pinned mirror, exact totals.
+
+Skipped without a GPU (marker `cuda`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from guardrails.testing import fresh_guardrails
+
+pytestmark = pytest.mark.cuda
+
+LOGITS = "sampler.logits"
+IDS = "sampler.token_ids"
+
+
+def nan_count(registry: CollectorRegistry) -> float | None:
+    labels = {"site": LOGITS, "kind": "nan", "rank": "0"}
+    return registry.get_sample_value("guardrails_nonfinite_values_total", labels)
+
+
+def test_guarded_calls_and_polls_never_sync_the_host() -> None:
+    registry = CollectorRegistry()
+    guards = fresh_guardrails(registry=registry, reporting={"every_calls": 1})
+    # Buffers are made when a site is created for a device, before the sync check starts.
+    site = guards.site(LOGITS, device="cuda", capacity=8)
+    ids_site = guards.token_site(IDS, vocab_size=100, device="cuda", capacity=8)
+    batches = [torch.randn(8, 4096, device="cuda") for _ in range(4)]
+    for logits in batches:
+        logits[0, :3] = math.nan
+    ids = torch.tensor([1, 200, 3], device="cuda")
+    # One clean call first: kernels compile or load on first use, outside the check.
+    site(torch.zeros(8, 4096, device="cuda"))
+    ids_site(torch.zeros(3, dtype=torch.int64, device="cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for logits in batches:
+            site(logits)
+            ids_site(ids)
+            guards.poll()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    guards.close()
+    assert nan_count(registry) == 12
+
+
+def test_host_mirror_is_pinned() -> None:
+    guards = fresh_guardrails(registry=CollectorRegistry())
+    site = guards.site(LOGITS, device="cuda")
+    [counts] = site.device_counts()
+    # The mirror is private; pinned memory is what makes the copy into it asynchronous.
+    assert counts._mirror.is_pinned()
+    guards.close()
+
+
+def test_completed_copies_reach_the_counters_without_a_flush() -> None:
+    registry = CollectorRegistry()
+    guards = fresh_guardrails(registry=registry, reporting={"every_calls": 1})
+    site = guards.site(LOGITS, device="cuda")
+    logits = torch.randn(4, 256, device="cuda")
+    logits[1, :5] = math.nan
+    site(logits)  # starts the copy
+    torch.cuda.synchronize()  # the test, not the library, waits for it
+    guards.poll()
+    assert nan_count(registry) == 5
+    guards.close()
+
+
+def test_close_reports_exact_totals_from_the_device() -> None:
+    registry = CollectorRegistry()
+    guards = fresh_guardrails(registry=registry, reporting={"every_calls": 1000})
+    site = guards.site(LOGITS, device="cuda")
+    for _ in range(3):
+        logits = torch.randn(4, 256, device="cuda")
+        logits[2, :2] = math.nan
+        site(logits)
+    guards.close()
+    assert nan_count(registry) == 6
