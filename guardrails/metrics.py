@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -199,11 +200,53 @@ def serve(addr: str, port: int, registry: CollectorRegistry | None, owner: objec
         else:
             exposed = REGISTRY if registry is None else registry
         server, thread = start_http_server(port, addr=addr, registry=exposed)
+        if path is not None:
+            # Tells sibling workers (same port, same directory) that this process serves them.
+            with open(_marker(path, port), "w", encoding="ascii") as handle:
+                handle.write(str(os.getpid()))
         _watch_forks()
         owners: weakref.WeakSet[Any] = weakref.WeakSet()
         owners.add(owner)
         _SERVERS[key] = _Served(server, thread, owners)
         return True
+
+
+def _marker(path: str, port: int) -> str:
+    return os.path.join(path, f"guardrails_metrics_{port}.server")
+
+
+def sibling_serves(port: int, *, wait_s: float = 2.0) -> bool:
+    """Whether another live process of this multiprocess deployment serves `port`.
+
+    The process that binds the port leaves a marker (its pid) in the shared
+    PROMETHEUS_MULTIPROC_DIR, which the collector ignores (it reads only *.db files). A worker
+    that cannot bind waits briefly for the marker, since workers start together.
+    """
+    path = multiprocess_dir()
+    if path is None:
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(_marker(path, port), encoding="ascii") as handle:
+                pid = int(handle.read().strip() or 0)
+        except (OSError, ValueError):
+            pid = 0
+        if pid and pid != os.getpid() and _alive(pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
 
 
 def release_server(owner: object) -> None:
@@ -215,6 +258,10 @@ def release_server(owner: object) -> None:
             if not served.owners:
                 stopped.append(_SERVERS.pop(key))
     for served in stopped:
+        path = multiprocess_dir()
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.remove(_marker(path, served.server.server_port))
         served.server.shutdown()
         served.server.server_close()
         served.thread.join(timeout=5)

@@ -142,6 +142,17 @@ class Reporter:
         try:
             metrics.serve(addr, port, registry, owner=self)
         except OSError as exc:
+            # In multiprocess mode every worker inherits the same port, and one server shows
+            # every process's files: a worker whose sibling already serves that port is
+            # served by it. Anything else holding the port is still an error.
+            if metrics.sibling_serves(port):
+                self._logger.info(
+                    "guardrails.metrics_served_elsewhere",
+                    addr=addr,
+                    port=port,
+                    reason="multiprocess mode: another process serves the aggregate",
+                )
+                return
             # At start-up, as a ConfigError naming the variable (or file key) that chose the
             # port: the fix is a configuration change, and hosts already handle this error.
             reason = exc.strerror or str(exc)

@@ -163,7 +163,10 @@ class _SiteBase:
         self.name = validate_site_name(name)
         self._reporter = reporter
         self._every = every_calls
-        self._lock = threading.Lock()
+        # Held for a whole call: the flags buffer and (on the CPU) the read-modify-write of
+        # the counts belong to one caller at a time. Re-entrant, because a call may size
+        # buffers (reserve) and count itself under it.
+        self._lock = threading.RLock()
         self._states: dict[torch.device, _DeviceState] = {}
         self._state: _DeviceState | None = None  # the last device used: the common case
         self._pinned_device = None if device is None else torch.device(device)
@@ -306,10 +309,11 @@ class LogitsSite(_SiteBase):
         state = self._state
         if state is None or logits.device != state.device:
             state = self._state_for(logits)
-        if logits.requires_grad or logits.is_inference():
-            with _writable(logits):
-                return self._guard(logits, spec, state)
-        return self._guard(logits, spec, state)
+        with self._lock:
+            if logits.requires_grad or logits.is_inference():
+                with _writable(logits):
+                    return self._guard(logits, spec, state)
+            return self._guard(logits, spec, state)
 
     def _guard(self, logits: torch.Tensor, spec: HealSpec, state: _DeviceState) -> torch.Tensor:
         if logits.dim() == 0:
@@ -388,10 +392,11 @@ class TokenSite(_SiteBase):
         state = self._state
         if state is None or token_ids.device != state.device:
             state = self._state_for(token_ids)
-        if token_ids.is_inference():
-            with _writable(token_ids):
-                return self._guard(token_ids, state)
-        return self._guard(token_ids, state)
+        with self._lock:
+            if token_ids.is_inference():
+                with _writable(token_ids):
+                    return self._guard(token_ids, state)
+            return self._guard(token_ids, state)
 
     def _guard(self, ids: torch.Tensor, state: _DeviceState) -> torch.Tensor:
         rows = _leading(ids) if ids.dim() >= 2 else max(ids.numel(), 1 if ids.dim() == 0 else 0)

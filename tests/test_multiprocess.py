@@ -153,6 +153,65 @@ def test_metrics_server_serves_every_process_in_multiprocess_mode(multiproc_dir:
     assert nans == {"0": 6.0, "1": 2.0}
 
 
+def _scrape_nans(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        sample.labels["rank"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "guardrails_nonfinite_values_total" and sample.labels["kind"] == "nan"
+    }
+
+
+def _wait_ready(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    for line in iter(proc.stdout.readline, ""):
+        if line.strip() == "ready":
+            return
+    raise AssertionError(f"worker exited before serving: {proc.communicate()[1]}")
+
+
+def test_workers_sharing_a_metrics_port_are_served_by_the_first(multiproc_dir: Path) -> None:
+    # Every worker of a multiprocess engine inherits GUARDRAILS_METRICS_PORT: the first binds
+    # it, the others find it served by a sibling and start anyway.
+    port = free_port()
+    procs = [
+        start(
+            worker_env(multiproc_dir, rank, GUARDRAILS_METRICS_PORT=str(port)),
+            1,
+            2,
+            nan,
+            "exit",
+            serve=True,
+        )
+        for rank, nan in ((0, 3), (1, 1))
+    ]
+    try:
+        for proc in procs:
+            _wait_ready(proc)
+        assert _scrape_nans(port) == {"0": 6.0, "1": 2.0}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_foreign_process_on_the_port_is_still_an_error_in_multiprocess_mode(
+    multiproc_dir: Path,
+) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = worker_env(multiproc_dir, 0, GUARDRAILS_METRICS_PORT=str(port))
+        proc = start(env, 1, 1, 1, "close")
+        _out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "GUARDRAILS_METRICS_PORT" in err
+    assert "cannot serve metrics" in err
+
+
 FORKED = r"""
 import math, os, sys
 import torch

@@ -422,3 +422,24 @@ def test_module_hook_with_select(guards: gr.Guardrails) -> None:
     model = Model()
     guards.attach_module(model, "model.logits", select=lambda out: out[1])
     assert bool((model(torch.full((1, 3), math.nan))[1] == 0).all())
+
+
+def test_one_site_shared_by_threads_counts_exactly(guards: gr.Guardrails) -> None:
+    import threading
+
+    site = guards.site("sampler.logits")
+    per_thread, threads = 2000, 4
+
+    def work() -> None:
+        x = torch.zeros(2, 8)
+        for _ in range(per_thread):
+            x[0, 0] = math.nan
+            site(x)
+
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    assert guards.count("sampler.logits", "nan") == per_thread * threads
+    assert guards.count("sampler.logits", "calls") == per_thread * threads
