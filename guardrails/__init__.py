@@ -15,10 +15,11 @@ from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind, RowFlag
 from guardrails.logs import configure_json_logs
 from guardrails.registry import Guardrails, default, sanitize_logits_
-from guardrails.settings import GuardSettings, SiteSettings
+from guardrails.settings import AttachSettings, GuardSettings, SiteSettings
 from guardrails.sites import DisabledSite, LogitsSite, TokenSite
 
 __all__ = [
+    "AttachSettings",
     "ConfigError",
     "CountKind",
     "DisabledSite",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 __all__ = ["COMMANDS", "main"]
 
-COMMANDS: tuple[str, ...] = ("demo",)
+COMMANDS: tuple[str, ...] = ("demo", "check", "run")
 
 
 def build_parser() -> argparse.ArgumentParser:

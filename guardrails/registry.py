@@ -25,6 +25,8 @@ from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite, validate
 if TYPE_CHECKING:
     from torch import nn
 
+    from guardrails.integrations.patching import PatchHandle
+
 __all__ = ["Guardrails", "default", "sanitize_logits_"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -164,6 +166,42 @@ class Guardrails:
     ) -> Handle:
         """Forward hook: guard `module`'s output logits in place at `site`."""
         return attach_module(module, self.site(site), select=select)
+
+    def patch(
+        self,
+        target: str,
+        site: str,
+        *,
+        tensor: str = "return",
+        kind: str = "logits",
+        vocab_size: int | None = None,
+        vocab_size_from: str | None = None,
+    ) -> PatchHandle:
+        """Guard a value of `target` ("package.module:Class.method") at `site`, now or when
+        its module is imported; idempotent. See `guardrails.integrations.patching`."""
+        from guardrails.integrations.patching import AttachPoint, patch
+
+        point = AttachPoint.from_arguments(
+            site=site,
+            target=target,
+            tensor=tensor,
+            kind=kind,
+            vocab_size=vocab_size,
+            vocab_size_from=vocab_size_from,
+        )
+        return patch(self, point)
+
+    def attach_configured(self) -> list[PatchHandle]:
+        """Apply the `[[attach]]` entries of the settings (what `guardrails run` does)."""
+        from guardrails.integrations.patching import apply_configured
+
+        return apply_configured(self)
+
+    def patches(self) -> list[PatchHandle]:
+        """Import-path patches made through this instance: applied, pending or disabled."""
+        from guardrails.integrations.patching import patches
+
+        return patches(self)
 
     # -- reporting ------------------------------------------------------------------------
 

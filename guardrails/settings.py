@@ -24,14 +24,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from guardrails.exceptions import ConfigError, Problem
+from guardrails.flags import RowFlag
+from guardrails.integrations.targets import REF_SYNTAX, TARGET_SYNTAX, parse_ref, parse_target
 
 __all__ = [
     "ENV_VARS",
     "KNOWN_SITES",
+    "AttachSettings",
     "GuardSettings",
     "MetricsSettings",
     "ReportingSettings",
@@ -53,6 +64,7 @@ KNOWN_SITES: Mapping[str, str] = {
 }
 
 _BOOL = "true or false (also 1/0, yes/no, on/off)"
+_ABORT_FLAGS = "row flag names: nan, posinf, neginf, no_valid_token, any; [] heals and carries on"
 
 
 def _accepted(text: str) -> dict[str, Any]:
@@ -80,6 +92,72 @@ class SiteSettings(_Frozen):
         tuple[DtypeName, ...], Field(min_length=1, **_accepted(", ".join(ALL_DTYPES)))
     ] = ALL_DTYPES
     replacement_id: Annotated[int, Field(ge=0, **_accepted("an integer >= 0"))] = 0
+    # Policy for integrations that can end a request (GuardLogitsProcessor): rows carrying
+    # any of these flags are forced to end (EOS) instead of sampling from healed logits.
+    abort_on: Annotated[tuple[str, ...], Field(**_accepted(_ABORT_FLAGS))] = ()
+
+    @field_validator("abort_on")
+    @classmethod
+    def _known_flags(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        RowFlag.parse(names)  # raises ValueError naming the unknown flag
+        return tuple(name.strip().lower() for name in names)
+
+    @property
+    def abort_flags(self) -> int:
+        """`abort_on` as a bit mask of `RowFlag`s (0: heal and carry on)."""
+        return int(RowFlag.parse(self.abort_on))
+
+
+class AttachSettings(_Frozen):
+    """One `[[attach]]` entry: guard a value of someone else's callable at `site`.
+
+    Applied when `target`'s module is imported (see `guardrails.integrations.patching`).
+    Only the syntax is checked here; whether the target exists is checked when it is applied
+    and by `guardrails check`.
+    """
+
+    site: Annotated[str, Field(**_accepted("a site name such as sampler.logits"))]
+    target: Annotated[str, Field(**_accepted(TARGET_SYNTAX))]
+    tensor: Annotated[str, Field(**_accepted(REF_SYNTAX))] = "return"
+    kind: Annotated[Literal["logits", "token_ids"], Field(**_accepted("logits, token_ids"))] = (
+        "logits"
+    )
+    vocab_size: Annotated[int | None, Field(gt=0, **_accepted("an integer > 0"))] = None
+    vocab_size_from: Annotated[
+        str | None, Field(**_accepted(REF_SYNTAX + ", naming an int or a [..., vocab] tensor"))
+    ] = None
+
+    @field_validator("site")
+    @classmethod
+    def _site_name(cls, name: str) -> str:
+        from guardrails.sites import validate_site_name  # late: sites imports torch
+
+        return validate_site_name(name)
+
+    @field_validator("target")
+    @classmethod
+    def _target_syntax(cls, text: str) -> str:
+        parse_target(text)
+        return text
+
+    @field_validator("tensor", "vocab_size_from")
+    @classmethod
+    def _ref_syntax(cls, text: str | None) -> str | None:
+        if text is not None:
+            parse_ref(text)
+        return text
+
+    @model_validator(mode="after")
+    def _vocab_for_token_ids(self) -> AttachSettings:
+        given = (self.vocab_size is not None) + (self.vocab_size_from is not None)
+        if self.kind == "token_ids" and given != 1:
+            raise ValueError(
+                'kind = "token_ids" needs exactly one of vocab_size = N or '
+                'vocab_size_from = "arg:..." (ids outside [0, vocab_size) are flagged)'
+            )
+        if self.kind == "logits" and given:
+            raise ValueError('vocab_size and vocab_size_from apply only to kind = "token_ids"')
+        return self
 
 
 class ReportingSettings(_Frozen):
@@ -140,7 +218,7 @@ class _Collector:
         self.file: Path | None = None
 
     def where(self, loc: tuple[str | int, ...]) -> str:
-        path = tuple(str(p) for p in loc)
+        path = tuple(_part(p) for p in loc)
         for n in range(len(path), 0, -1):
             origin = self.origins.get(path[:n])
             if origin is not None:
@@ -151,8 +229,21 @@ class _Collector:
 _COLLECTOR: contextvars.ContextVar[_Collector] = contextvars.ContextVar("guardrails_settings")
 
 
+def _part(key: str | int) -> str:
+    # List positions (pydantic reports them as ints) are kept as "[i]" so that a key reads
+    # the way a user would write it: attach[0].target.
+    return f"[{key}]" if isinstance(key, int) else str(key)
+
+
 def _dotted(path: tuple[str, ...]) -> str:
-    return ".".join(f'"{p}"' if "." in p or not p else p for p in path)
+    out = ""
+    for p in path:
+        if out and p.startswith("["):
+            out += p
+        else:
+            quoted = f'"{p}"' if "." in p or not p else p
+            out = f"{out}.{quoted}" if out else quoted
+    return out
 
 
 def _closest(name: str, candidates: Any) -> str:
@@ -172,6 +263,19 @@ def _leaves(data: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[t
         yield path
         if isinstance(value, Mapping):
             yield from _leaves(value, path)
+        elif _is_table_list(value):
+            for index, item in enumerate(value):
+                yield (*path, _part(index))
+                yield from _leaves(item, (*path, _part(index)))
+
+
+def _is_table_list(value: object) -> bool:
+    """A TOML array of tables (`[[attach]]`), whose entries get origins of their own."""
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(v, Mapping) for v in value)
+    )
 
 
 class _EnvSource(PydanticBaseSettingsSource):
@@ -247,8 +351,8 @@ class _InitSource(PydanticBaseSettingsSource):
         collector = _COLLECTOR.get()
         for key, value in collector.kwargs.items():
             collector.origins[(key,)] = f"argument {key}"
-            if isinstance(value, Mapping):
-                for leaf in _leaves(value, (key,)):
+            if isinstance(value, Mapping) or _is_table_list(value):
+                for leaf in _leaves({key: value}):
                     collector.origins[leaf] = f"argument {_dotted(leaf)}"
         return dict(collector.kwargs)
 
@@ -279,6 +383,8 @@ class GuardSettings(BaseSettings):
     reporting: ReportingSettings = ReportingSettings()
     metrics: MetricsSettings = MetricsSettings()
     sites: dict[str, SiteSettings] = Field(default_factory=dict)
+    # `[[attach]]` entries (config file only): import paths to patch, never code.
+    attach: tuple[AttachSettings, ...] = ()
 
     _origins: dict[tuple[str, ...], str] = PrivateAttr(default_factory=dict)
 
@@ -314,7 +420,17 @@ class GuardSettings(BaseSettings):
     # -- semantic checks that need several fields at once --------------------------------
 
     def _semantic_problems(self, collector: _Collector) -> Iterator[Problem]:
-        declared = set(KNOWN_SITES) | set(self.sites)
+        declared = set(KNOWN_SITES) | set(self.sites) | {point.site for point in self.attach}
+        kinds: dict[str, tuple[str, int]] = {}
+        for index, point in enumerate(self.attach):
+            first = kinds.setdefault(point.site, (point.kind, index))
+            if first[0] != point.kind:
+                yield Problem(
+                    collector.where(("attach", index, "kind")),
+                    f"site {point.site!r} is a {first[0]} site in attach[{first[1]}]",
+                    point.kind,
+                    accepted="one kind per site name",
+                )
         for field_name, entries in (
             ("enabled_sites", self.enabled_sites),
             ("disabled_sites", self.disabled_sites),
@@ -377,8 +493,11 @@ class GuardSettings(BaseSettings):
             }
         )
 
-    def origin(self, *path: str) -> str:
-        """Where the value at `path` came from: a variable, a file key, an argument or default."""
+    def origin(self, *keys: str | int) -> str:
+        """Where the value at `keys` came from: a variable, a file key, an argument or default.
+
+        List positions are ints: `origin("attach", 0, "target")`."""
+        path = tuple(_part(key) for key in keys)
         for n in range(len(path), 0, -1):
             found = self._origins.get(tuple(path[:n]))
             if found is not None:
@@ -417,7 +536,7 @@ def _replacement_problem(
 
 def _problems_from(exc: ValidationError, collector: _Collector) -> Iterator[Problem]:
     for err in exc.errors(include_url=False):
-        loc = tuple(str(p) for p in err["loc"])
+        loc = tuple(_part(p) for p in err["loc"])
         where = collector.where(loc)
         if err["type"] == "extra_forbidden":
             siblings = _field_names(loc[:-1])
@@ -447,6 +566,9 @@ def _model_at(loc: tuple[str, ...]) -> type[BaseModel] | None:
         if annotation is not None and getattr(annotation, "__origin__", None) is dict:
             annotation = annotation.__args__[1]
             i += 1  # skip the dict key (site name)
+        elif annotation is not None and getattr(annotation, "__origin__", None) is tuple:
+            annotation = annotation.__args__[0]
+            i += 1  # skip the list position ([[attach]] entries)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             model = annotation
             i += 1

@@ -1,0 +1,94 @@
+"""What `guardrails run -- COMMAND` does, in the launcher and in every Python process it starts.
+
+Launcher side (`prepare`): validate the settings the command will see (environment plus
+config file, `[[attach]]` syntax included) and fail before anything starts; then put the
+bootstrap directory first on `PYTHONPATH` and replace the launcher with the command
+(`exec`). The environment dict is built for the command; `os.environ` is never written.
+
+Process side (`bootstrap`, run by the bootstrap `sitecustomize`): build the process-wide
+`guardrails.default()` from the environment, apply its attach points (pending ones apply
+when their module is imported) and close it at exit. A bad configuration or an attach point
+that does not fit its target ends the process at once with status 2 and the message on
+stderr: a guard that silently did not install would be worse than no start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+from guardrails.exceptions import ConfigError
+from guardrails.settings import GuardSettings
+
+if TYPE_CHECKING:
+    from guardrails.registry import Guardrails
+
+__all__ = ["BOOTSTRAP_DIR", "EXIT_CONFIG", "bootstrap", "installed", "launch", "prepare"]
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
+EXIT_CONFIG = 2  # also what `guardrails` exits with on a ConfigError
+
+_installed: Guardrails | None = None
+
+
+def prepare(
+    environ: Mapping[str, str], *, config_file: str | os.PathLike[str] | None = None
+) -> tuple[dict[str, str], GuardSettings]:
+    """The command's environment and the settings it will read; raises `ConfigError`."""
+    env = dict(environ)
+    if config_file is not None:
+        env["GUARDRAILS_CONFIG_FILE"] = os.fspath(config_file)
+    settings = GuardSettings(environ=env)
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    bootstrap = str(BOOTSTRAP_DIR)
+    env["PYTHONPATH"] = os.pathsep.join([bootstrap, *(p for p in entries if p != bootstrap)])
+    return env, settings
+
+
+def launch(argv: Sequence[str], env: Mapping[str, str]) -> NoReturn:
+    """Replace this process with `argv` (searched on PATH).
+
+    exec, not a child process: signals reach the command directly, its exit status (or the
+    signal that ended it) is the launcher's own, and supervisors keep the PID they started.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], list(argv), dict(env))
+
+
+def installed() -> Guardrails | None:
+    """The instance `bootstrap()` installed in this process, or None (not launched)."""
+    return _installed
+
+
+def bootstrap() -> Guardrails:
+    """Install guardrails in this process; exits with status 2 on a configuration error."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    from guardrails.integrations.patching import apply_configured
+    from guardrails.registry import default
+
+    try:
+        guards = default()
+        apply_configured(guards, on_error=_die)
+    except Exception as exc:  # a ConfigError, or anything else that leaves it unguarded
+        _die(exc)
+    atexit.register(guards.close)
+    _installed = guards
+    return guards
+
+
+def _die(exc: Exception) -> NoReturn:
+    # site.py reports an exception from sitecustomize as a warning and carries on, and an
+    # import hook's exception may be caught by the code doing the import; neither may hide
+    # a guard that did not install. os._exit: no SystemExit to intercept either.
+    text = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+    sys.stderr.write(f"guardrails: {text}\nguardrails: exiting (status {EXIT_CONFIG}).\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_CONFIG)

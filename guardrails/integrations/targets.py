@@ -1,0 +1,94 @@
+"""The two small languages of config-declared attach points, parsed without evaluating code.
+
+    target = "package.module:Class.method"      # or "package.module:function"
+    tensor = "return" | "return:N" | "arg:NAME" | "arg:N", then optionally ".attr.attr"
+
+A target is an import path and a qualified name; a reference says which value of a call to
+guard: the return value (or its N-th tuple element), or an argument (by parameter name, or by
+its position after `self`/`cls`), then attributes read from it. Both are checked against a
+regular expression: nothing here ever imports, evaluates or executes anything.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final, Literal
+
+__all__ = ["REF_SYNTAX", "TARGET_SYNTAX", "Ref", "Target", "parse_ref", "parse_target"]
+
+_IDENT: Final = r"[A-Za-z_][A-Za-z0-9_]*"
+_DOTTED: Final = rf"{_IDENT}(?:\.{_IDENT})*"
+_TARGET = re.compile(rf"(?P<module>{_DOTTED}):(?P<qualname>{_DOTTED})")
+_REF = re.compile(
+    rf"(?:(?P<ret>return)(?::(?P<ret_index>\d{{1,3}}))?"
+    rf"|arg:(?:(?P<arg_index>\d{{1,3}})|(?P<arg_name>{_IDENT})))"
+    rf"(?P<attrs>(?:\.{_IDENT})*)"
+)
+
+TARGET_SYNTAX: Final = "package.module:Class.method or package.module:function"
+REF_SYNTAX: Final = (
+    "return, return:N (tuple element), arg:NAME or arg:N (position after self), "
+    "each optionally followed by .attribute"
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """`module:qualname`: where the callable to patch lives."""
+
+    module: str
+    qualname: str
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.qualname.split("."))
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """One value of a call: the result or an argument, then attributes read from it."""
+
+    source: Literal["return", "arg"]
+    index: int | None = None  # return:N tuple element, or arg:N position
+    name: str | None = None  # arg:NAME
+    attrs: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        if self.source == "return":
+            head = "return" if self.index is None else f"return:{self.index}"
+        else:
+            head = f"arg:{self.name if self.name is not None else self.index}"
+        return head + "".join(f".{a}" for a in self.attrs)
+
+
+def parse_target(text: str) -> Target:
+    """`"pkg.mod:Cls.meth"` -> `Target`; a `ValueError` saying what is wrong otherwise."""
+    if not isinstance(text, str):
+        raise ValueError(f"a target must be a string ({TARGET_SYNTAX})")
+    match = _TARGET.fullmatch(text)
+    if match is None:
+        why = "a ':' must separate the module path from the qualified name"
+        if text.count(":") == 1:
+            why = "both sides of ':' must be dotted Python identifiers"
+        raise ValueError(f"target {text!r} is not an import path: {why}")
+    return Target(match["module"], match["qualname"])
+
+
+def parse_ref(text: str) -> Ref:
+    """`"arg:logits_output.next_token_logits"` -> `Ref`; a `ValueError` otherwise."""
+    if not isinstance(text, str):
+        raise ValueError(f"a tensor reference must be a string ({REF_SYNTAX})")
+    match = _REF.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a reference to a value of the call")
+    attrs = tuple(a for a in match["attrs"].split(".") if a)
+    if match["ret"]:
+        index = match["ret_index"]
+        return Ref("return", index=None if index is None else int(index), attrs=attrs)
+    if match["arg_name"] is not None:
+        return Ref("arg", name=match["arg_name"], attrs=attrs)
+    return Ref("arg", index=int(match["arg_index"]), attrs=attrs)
