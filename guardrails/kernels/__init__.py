@@ -7,12 +7,13 @@ place. No kernel may allocate memory proportional to `x` on its clean path, and 
 may not synchronise with the host.
 
 - `reference`: branch-free torch; the oracle, and the CUDA path when Triton is missing.
-- `cpu`: one reduction for clean rows, exact reference work only on suspect rows.
+- `cpu`: one reduction for a clean batch, exact work only on the chunks it flags.
 - `triton_impl`: one fused launch on CUDA (optional extra `guardrails-logits[triton]`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ __all__ = [
     "LogitsKernel",
     "posinf_replacement",
     "select_logits_kernel",
+    "stored_value",
 ]
 
 
@@ -66,6 +68,15 @@ def posinf_replacement(dtype: torch.dtype, min_temperature: float) -> float:
     while not math.isfinite(float(stored)) or float(stored) > value:
         stored = torch.nextafter(stored, torch.tensor(0.0, dtype=dtype))
     return float(stored)
+
+
+@functools.cache
+def stored_value(value: float, dtype: torch.dtype) -> float:
+    """`value` as the reference's `masked_fill_` stores it in `dtype` (rounded once, the same
+    way), so a kernel that converts it again never rounds differently."""
+    cell = torch.zeros(1, dtype=dtype)
+    cell.masked_fill_(torch.ones(1, dtype=torch.bool), value)
+    return float(cell.item())
 
 
 def select_logits_kernel(device: torch.device) -> LogitsKernel:

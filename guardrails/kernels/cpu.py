@@ -1,132 +1,313 @@
-"""CPU fast path: one reduction proves a clean batch clean.
+"""CPU fast path: one reduction proves a clean batch clean; exact work only where it is not.
 
 On a CPU a host branch is free, so the work follows the data:
 
-1. One pass: the sum of the whole batch. A finite sum proves there is no NaN and no +/-Inf
-   anywhere (both propagate through addition). A sum is the cheapest full reduction torch has
-   on CPU, vectorised for float32, bfloat16 and float16 alike (unlike `amax`, 4x slower on
-   the 16-bit types). Float16 sums overflow on real logits (151936 values of magnitude 5
-   exceed 65504), so float16 is summed in chunks of `_F16_CHUNK`, each far below the limit,
-   and the chunk sums are added in float32.
-2. Otherwise, per-row sums pick suspect rows, which are copied out. Without `count_neginf`, a
-   suspect whose `amax` is finite is clean after all (its sum met -inf masks or overflowed).
-3. The dirty rows get the exact treatment (`_exact_rows_`) and, if sanitizing, are written back.
+1. One pass of sums. A finite sum proves there is no NaN and no +/-Inf in what it covers
+   (both propagate through addition); `sum` is torch's cheapest full reduction on CPU for all
+   three dtypes (`amax` is 2-4x slower on the 16-bit ones). On a large batch the sums are
+   taken per chunk of each row (`[rows, chunks]`): the same pass, and it tells where a bad
+   value is. Float16 is always chunked (~1K values, so chunk sums of real logits cannot
+   overflow the dtype, where a whole-row sum would); a small float32/bfloat16 batch is
+   summed whole and chunked only when that sum is not finite.
+2. A chunk whose sum is NaN or +Inf holds a NaN or +Inf (or overflowed: a false alarm, which
+   costs time, never correctness). A -Inf sum means -Inf masks and nothing worse, so it is
+   looked at only when -Inf is counted or when no chunk of its row is finite or +Inf (the row
+   may hold no valid entry).
+3. The selected chunks are gathered, classified exactly, healed with one `nan_to_num_` and
+   written back; the per-row verdicts are assembled on the host from a few numbers.
 
-A false alarm in steps 1-2 costs time, never correctness: step 3 is exact. Clean calls touch
-no memory besides the one read (the flags buffer is only re-zeroed after a dirty call).
+Clean calls touch no memory besides the one read (the flags buffer is only re-zeroed after a
+dirty call). The counts are exact per chunk (`_tallies`), so the flags and counts equal the
+reference's bit for bit; tests check that on random inputs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from guardrails.flags import RowFlag
-from guardrails.kernels import HealSpec
+from guardrails.kernels import HealSpec, stored_value
 from guardrails.kernels.reference import guard_logits_reference_
 
-__all__ = ["CPU_KERNEL", "guard_logits_cpu_"]
+__all__ = ["CPU_KERNEL", "CpuLogitsKernel", "chunk_sums", "guard_logits_cpu_"]
 
-# Chunk sums of 512 float16 values stay finite while the mean magnitude is below 127; real
-# logits sit far below that. Larger chunks are no faster (measured on 2 cores, V=151936).
-_F16_CHUNK = 512
+_INF = math.inf
 _NEG_INF = -math.inf
+# Target chunk lengths (values per chunk sum). Float16: 1K values of magnitude < 64 cannot
+# overflow 65504. Bfloat16 reduces as fast in 1K chunks as in whole rows; float32 needs ~4K
+# to stay within a few percent of a plain sum (measured on 2 cores, V=151936). Short chunks
+# keep the exact work on a dirty one small.
+_TARGET_CHUNK = {torch.float16: 1024, torch.bfloat16: 1024}
+_DEFAULT_TARGET_CHUNK = 4096
+# Below this many values (13 rows of a 151936 vocab) the clean check is one plain sum: the
+# chunk view and the second small reduction would cost a visible share of the call, and a
+# dirty call, dominated there by per-op overhead anyway, pays one more pass for its chunks.
+_CHUNKED_CHECK_MIN = 1 << 21
+_FIELD_BITS = 16  # per count in a `_tallies` code: chunks stay shorter than 65536
+_FIELD = (1 << _FIELD_BITS) - 1
+_NAN = int(RowFlag.NAN)
+_POSINF = int(RowFlag.POSINF)
+_NEGINF = int(RowFlag.NEGINF)
+_NO_VALID = int(RowFlag.NO_VALID_TOKEN)
 
 
-def _partial_sums(x: torch.Tensor) -> torch.Tensor:
-    """Sums over the last dim, [rows, k], finite iff the row is (up to overflow)."""
-    vocab = x.shape[-1]
-    if x.dtype != torch.float16 or vocab < 2 * _F16_CHUNK:
-        return x.sum(-1, keepdim=True)
-    whole = vocab - vocab % _F16_CHUNK
-    head = x.narrow(-1, 0, whole)
-    parts = head.reshape(*head.shape[:-1], whole // _F16_CHUNK, _F16_CHUNK).sum(-1)
-    if whole == vocab:
-        return parts
-    tail = x.narrow(-1, whole, vocab - whole).sum(-1, keepdim=True)
-    return torch.cat([parts, tail], dim=-1)
+@functools.cache
+def chunk_plan(vocab: int, target: int) -> tuple[int, int]:
+    """`(chunk, count)`: `count` chunks of `chunk` values cover the first `chunk * count`
+    columns; the rest (a tail shorter than a chunk) is summed as one more chunk.
 
-
-def _all_finite(x: torch.Tensor) -> bool:
-    if x.dtype == torch.float16:
-        return math.isfinite(_partial_sums(x).sum(dtype=torch.float32).item())
-    return math.isfinite(x.sum().item())
-
-
-def _exact_rows_(rows: torch.Tensor, counts: torch.Tensor, spec: HealSpec) -> torch.Tensor:
-    """Count, flag and heal a private copy `rows` [n, V] exactly; returns uint8 flags [n].
-
-    Fewer passes than the reference (which must stay branch-free for CUDA): `nan_to_num_`
-    heals NaN and +Inf in one vectorised pass, and a row keeps a valid entry iff its max,
-    with NaN read as -inf, is above -inf.
+    A divisor of `vocab` near `target` is preferred, so the common vocabularies need no tail
+    (151936 = 128 * 1187).
     """
-    nan = torch.isnan(rows)
-    n_nan = nan.sum(-1)
-    n_pinf = torch.isposinf(rows).sum(-1)
-    flags = (n_nan > 0).to(torch.uint8) * int(RowFlag.NAN)
-    flags += (n_pinf > 0).to(torch.uint8) * int(RowFlag.POSINF)
-    if spec.count_neginf:
-        n_ninf = torch.isneginf(rows).sum(-1)
-        flags += (n_ninf > 0).to(torch.uint8) * int(RowFlag.NEGINF)
-    else:
-        n_ninf = torch.zeros_like(n_nan)
-    nonfinite = flags != 0
-    rows.nan_to_num_(nan=_NEG_INF, posinf=spec.posinf_value, neginf=_NEG_INF)
-    no_valid = rows.amax(-1) == _NEG_INF
-    flags += no_valid.to(torch.uint8) * int(RowFlag.NO_VALID_TOKEN)
-    if spec.nan_value != _NEG_INF:
-        rows.masked_fill_(nan, spec.nan_value)
-    if bool(no_valid.any()):
-        rows[no_valid] = 0.0
-    counts.add_(
-        torch.stack([n_nan.sum(), n_pinf.sum(), n_ninf.sum(), nonfinite.sum(), no_valid.sum()])
-    )
-    return flags
+    if vocab <= target:
+        return vocab, 1
+    best = 0
+    for size in range(target // 2, min(2 * target, vocab) + 1):
+        if vocab % size == 0 and (best == 0 or abs(size - target) < abs(best - target)):
+            best = size
+    if best:
+        return best, vocab // best
+    return target, vocab // target
+
+
+def chunk_sums(x: torch.Tensor, chunk: int, count: int) -> torch.Tensor:
+    """Per-chunk sums of the rows of `x` ([rows, V]): `[rows, chunks]` in `x.dtype`."""
+    rows, vocab = x.shape
+    whole = chunk * count
+    if whole == vocab:
+        return x.view(rows, count, chunk).sum(-1)
+    head = x.narrow(1, 0, whole).view(rows, count, chunk).sum(-1)
+    tail = x.narrow(1, whole, vocab - whole).sum(-1, keepdim=True)
+    return torch.cat((head, tail), 1)
+
+
+def _all_finite(sums: torch.Tensor) -> bool:
+    # Float32 accumulation: many finite float16 chunk sums may overflow float16 together.
+    total = sums.sum(dtype=torch.float32) if sums.dtype == torch.float16 else sums.sum()
+    return math.isfinite(total.item())
 
 
 class _Workspace:
-    """How far the flags buffer may hold non-zero bytes from an earlier dirty call."""
+    """Host bookkeeping: the chunk plans by `(vocab, dtype)`, and how far the flags buffer
+    may hold non-zero bytes from an earlier dirty call."""
 
-    __slots__ = ("extent",)
+    __slots__ = ("chunk", "extent", "plans")
 
-    def __init__(self) -> None:
+    def __init__(self, chunk: int | None) -> None:
+        self.chunk = chunk
         self.extent = 0
+        self.plans: dict[tuple[int, torch.dtype], tuple[int, int]] = {}
+
+    def plan(self, vocab: int, dtype: torch.dtype) -> tuple[int, int]:
+        key = (vocab, dtype)
+        plan = self.plans.get(key)
+        if plan is None:
+            target = self.chunk or _TARGET_CHUNK.get(dtype, _DEFAULT_TARGET_CHUNK)
+            plan = self.plans[key] = chunk_plan(vocab, target)
+        return plan
 
 
 def guard_logits_cpu_(
     x: torch.Tensor, flags: torch.Tensor, counts: torch.Tensor, spec: HealSpec, ws: _Workspace
 ) -> None:
     """Same contract as `guard_logits_reference_`, for 2-D `x` [rows, V] on the CPU."""
-    if _all_finite(x):
-        if ws.extent:
-            flags.zero_()
-            if flags.numel() >= ws.extent:
-                ws.extent = 0
-        return
-    flags.zero_()
-    ws.extent = max(ws.extent, flags.numel())
-    suspect = (~torch.isfinite(_partial_sums(x))).any(-1).nonzero().squeeze(1)
-    rows = x.index_select(0, suspect)
-    if not spec.count_neginf:
-        dirty = ~torch.isfinite(rows.amax(-1))
-        if not bool(dirty.all()):
-            suspect = suspect[dirty]
-            rows = rows[dirty]
-        if suspect.numel() == 0:
+    if x.dtype is not torch.float16 and x.numel() < _CHUNKED_CHECK_MIN:
+        if math.isfinite(x.sum().item()):
+            if ws.extent:
+                _zero_flags(flags, ws)
             return
-    row_flags = _exact_rows_(rows, counts, spec)
-    if spec.sanitize:
-        x.index_copy_(0, suspect, rows)
-    flags.index_copy_(0, suspect, row_flags)
+        plan = ws.plan(x.shape[1], x.dtype)
+        sums = chunk_sums(x, *plan)
+    else:
+        plan = ws.plan(x.shape[1], x.dtype)
+        sums = chunk_sums(x, *plan)
+        if _all_finite(sums):
+            if ws.extent:
+                _zero_flags(flags, ws)
+            return
+    _guard_chunks_(x, sums, plan, flags, counts, spec, ws)
 
 
-class _CpuKernel:
+def _candidates(sums: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Flat indices and values of the non-finite chunk sums."""
+    flat = sums.view(-1)
+    # x * 0 is NaN exactly where x is NaN or +/-Inf; two cheap ops where `isfinite` is five.
+    where = (flat * 0).isnan().nonzero().view(-1)
+    return where.tolist(), flat[where].tolist()
+
+
+def _tallies(values: torch.Tensor) -> list[int]:
+    """Per row of `values` ([n, <= 65535]): NaN + (+Inf << 16) + (-Inf << 32), exactly.
+
+    Float ops only: comparisons that make bool masks, and reductions over them, run several
+    times slower than arithmetic on the CPU. `values - finite` keeps exactly the NaN and
+    +/-Inf entries (x - x = 0 for every finite x); in float64 each becomes its weight, and one
+    float64 sum per row (integers below 2**53) holds all three counts.
+    """
+    special = (values - values.nan_to_num(0.0, 0.0, 0.0)).double()
+    weights = special.nan_to_num_(1.0, float(1 << _FIELD_BITS), float(1 << (2 * _FIELD_BITS)))
+    return [int(code) for code in weights.sum(-1).tolist()]
+
+
+def _select(sums: torch.Tensor, count_neginf: bool) -> tuple[list[int], dict[int, int]]:
+    """Flat `row * chunks + chunk` ids of the chunks to examine, and for each row that may
+    hold no valid entry, its number of chunks (all of them are selected)."""
+    n_chunks = sums.shape[1]
+    where, values = _candidates(sums)
+    # A row is empty only if every chunk sum is NaN or -Inf (no finite or +Inf chunk).
+    masked: dict[int, int] = {}
+    for flat, value in zip(where, values, strict=True):
+        if value != _INF:
+            row = flat // n_chunks
+            masked[row] = masked.get(row, 0) + 1
+    empty = {row: n for row, n in masked.items() if n == n_chunks}
+    if count_neginf or not masked:
+        return where, empty
+    # A -Inf sum means -Inf masks and no NaN or +Inf: not counted at this site, so such a
+    # chunk matters only in a row that may be empty.
+    return [
+        flat
+        for flat, value in zip(where, values, strict=True)
+        if value != _NEG_INF or flat // n_chunks in empty
+    ], empty
+
+
+def _guard_chunks_(
+    x: torch.Tensor,
+    sums: torch.Tensor,
+    plan: tuple[int, int],
+    flags: torch.Tensor,
+    counts: torch.Tensor,
+    spec: HealSpec,
+    ws: _Workspace,
+) -> None:
+    vocab = x.shape[1]
+    chunk, count = plan
+    n_chunks = sums.shape[1]  # count, plus one for a tail
+    selected, empty = _select(sums, spec.count_neginf)
+    if not selected:
+        # Only -Inf masks (not counted here) and no empty row: clean after all.
+        if ws.extent:
+            _zero_flags(flags, ws)
+        return
+
+    per_row: dict[int, list[int]] = {}
+    nan_value = stored_value(spec.nan_value, x.dtype)
+    posinf_value = stored_value(spec.posinf_value, x.dtype)
+    for gather, scatter, owners in _groups(x, selected, n_chunks, chunk, count):
+        values = gather()  # a copy, [selected chunks, chunk]
+        for row, code in zip(owners, _tallies(values), strict=True):
+            acc = per_row.get(row)
+            tally = [code & _FIELD, (code >> _FIELD_BITS) & _FIELD, code >> (2 * _FIELD_BITS)]
+            if acc is None:
+                per_row[row] = tally
+            else:
+                acc[0] += tally[0]
+                acc[1] += tally[1]
+                acc[2] += tally[2]
+        if spec.sanitize:
+            scatter(values.nan_to_num_(nan_value, posinf_value, _NEG_INF))
+
+    totals = [0, 0, 0, 0, 0]
+    row_flags: list[tuple[int, int]] = []
+    for row, (n_nan, n_pinf, n_ninf) in per_row.items():
+        flag = (_NAN if n_nan else 0) | (_POSINF if n_pinf else 0)
+        totals[0] += n_nan
+        totals[1] += n_pinf
+        if spec.count_neginf:
+            flag |= _NEGINF if n_ninf else 0
+            totals[2] += n_ninf
+        if flag:
+            totals[3] += 1
+        if row in empty and n_nan + n_ninf == vocab:
+            flag |= _NO_VALID
+            totals[4] += 1
+            if spec.sanitize:
+                # Nothing left to sample: written uniform, flagged NO_VALID_TOKEN.
+                x.select(0, row).zero_()
+        if flag:
+            row_flags.append((row, flag))
+    _zero_flags(flags, ws)
+    if row_flags:
+        if len(row_flags) <= 8:  # a few scalar writes beat building two index tensors
+            for row, flag in row_flags:
+                flags[row] = flag
+        else:
+            ids, row_bits = zip(*row_flags, strict=True)
+            flags[torch.tensor(ids)] = torch.tensor(row_bits, dtype=torch.uint8)
+        ws.extent = max(ws.extent, flags.numel())
+    if any(totals):
+        counts.add_(torch.tensor(totals, dtype=torch.int64))
+
+
+# (read the chunks, write them back, the row of each chunk)
+_Group = tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], object], list[int]]
+
+
+def _groups(
+    x: torch.Tensor, selected: list[int], n_chunks: int, chunk: int, count: int
+) -> list[_Group]:
+    """How to read and write back the selected chunks: whole chunks, then a short tail."""
+    rows, vocab = x.shape
+    body = [flat for flat in selected if flat % n_chunks < count]
+    tail = [flat // n_chunks for flat in selected if flat % n_chunks == count]
+    groups: list[_Group] = []
+    if body:
+        owners = [flat // n_chunks for flat in body]
+        if n_chunks == count and x.is_contiguous():
+            # One index over [rows * chunks, chunk]: the cheapest gather and scatter.
+            flat_view = x.view(rows * count, chunk)
+            ids = torch.tensor(body, dtype=torch.long)
+            groups.append(
+                (
+                    lambda: flat_view.index_select(0, ids),
+                    lambda v: flat_view.index_copy_(0, ids, v),
+                    owners,
+                )
+            )
+        else:
+            view = x.narrow(1, 0, chunk * count).view(rows, count, chunk)
+            pair = torch.tensor([owners, [flat % n_chunks for flat in body]], dtype=torch.long)
+            index = (pair[0], pair[1])
+            groups.append((lambda: view[index], lambda v: view.index_put_(index, v), owners))
+    if tail:
+        tail_view = x.narrow(1, chunk * count, vocab - chunk * count)
+        tail_ids = torch.tensor(tail, dtype=torch.long)
+        groups.append(
+            (
+                lambda: tail_view.index_select(0, tail_ids),
+                lambda v: tail_view.index_copy_(0, tail_ids, v),
+                tail,
+            )
+        )
+    return groups
+
+
+def _zero_flags(flags: torch.Tensor, ws: _Workspace) -> None:
+    flags.zero_()
+    # Bytes past this view (left by a call with more rows) stay dirty until a longer view.
+    if flags.numel() >= ws.extent:
+        ws.extent = 0
+
+
+class CpuLogitsKernel:
+    """The CPU `LogitsKernel`; `chunk` overrides the chunk length (tests use tiny ones)."""
+
     name = "cpu"
 
+    def __init__(self, chunk: int | None = None) -> None:
+        # A plan may double the target to hit a divisor; a chunk's counts fit in 16 bits.
+        if chunk is not None and not 1 <= chunk <= _FIELD // 2:
+            raise ValueError(f"chunk must be in [1, {_FIELD // 2}], got {chunk}")
+        self._chunk = chunk
+
     def workspace(self, rows: int, device: torch.device) -> Any:
-        return _Workspace()
+        return _Workspace(self._chunk)
 
     def __call__(
         self, x: torch.Tensor, flags: torch.Tensor, counts: torch.Tensor, spec: HealSpec, ws: Any
@@ -143,4 +324,4 @@ class _CpuKernel:
         guard_logits_cpu_(x, flags, counts, spec, ws)
 
 
-CPU_KERNEL = _CpuKernel()
+CPU_KERNEL = CpuLogitsKernel()

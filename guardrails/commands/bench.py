@@ -1,0 +1,83 @@
+"""`guardrails bench`: the guard side by side with the SGLang-style sanitizer and the floor.
+
+Prints the ratio table and the issue's targets, and writes the full result (machine, versions,
+every median) as JSON into `--out` (default `benchmarks/results`). `--smoke` runs tiny tensors
+in a few seconds, to check that the benchmark works, not to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "bench",
+        help="benchmark the guard against an SGLang-style sanitizer and one read of the logits",
+        description="Median time of a guarded call, the SGLang-style sanitizer, nan_to_num_ "
+        "alone and the floor (amax or sum), for B in --batches x V x dtype x {clean, 1%% dirty}.",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="cpu, cuda or auto (cuda when available; default)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="directory for the JSON"
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny tensors, a few seconds")
+    parser.add_argument(
+        "--batches", type=_batches, default=None, help="comma-separated batch sizes (1,8,64,256)"
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per case")
+    parser.add_argument("--no-json", action="store_true", help="print only, write no file")
+    parser.set_defaults(func=run)
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,8,64; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1; got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
+    from guardrails import bench
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        print(
+            f"guardrails bench: --device must be cpu, cuda or auto; got {device!r}", file=sys.stderr
+        )
+        return 2
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("guardrails bench: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    config = bench.BenchConfig.smoke(device) if args.smoke else bench.BenchConfig(device=device)
+    if args.batches is not None:
+        config = dataclasses.replace(config, batches=args.batches)
+    if args.repeats is not None:
+        if args.repeats < 1:
+            print("guardrails bench: --repeats must be >= 1", file=sys.stderr)
+            return 2
+        config = dataclasses.replace(config, repeats=args.repeats)
+    result = bench.run(config, progress=lambda line: print(line, flush=True))
+    print()
+    print(bench.format_table(result))
+    if not args.smoke:  # tiny tensors say nothing about the targets
+        print()
+        print(bench.summary(result))
+    if not args.no_json:
+        path = bench.write_json(result, args.out)
+        print(f"\nwrote {path}")
+    return 0

@@ -1,0 +1,258 @@
+"""The fused Triton kernel and a whole guarded call on a real GPU (marker `cuda`).
+
+Skipped without CUDA. Checked here: the kernel equals the torch reference for every dtype and
+cut of the rows; a guarded call issues exactly one kernel and no host sync; a captured call
+replays exactly in a CUDA graph; async-assert mode fails the process on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from guardrails.flags import LOGITS_SLOTS, CountKind, RowFlag
+from guardrails.kernels import HealSpec, posinf_replacement
+from guardrails.kernels.reference import guard_logits_reference_
+from guardrails.testing import fresh_guardrails
+
+pytestmark = pytest.mark.cuda
+
+SITE = "sampler.logits"
+VOCAB = 151936
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ROOT = Path(__file__).resolve().parents[1]
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _triton() -> object:
+    pytest.importorskip("triton")
+    from guardrails.kernels import triton_impl
+
+    return triton_impl
+
+
+def _dirty(rows: int, vocab: int, dtype: torch.dtype, *, strided: bool = False) -> torch.Tensor:
+    """Logits on the GPU with every kind of bad row (rows >= 6)."""
+    generator = torch.Generator(device="cuda").manual_seed(rows * 1000 + vocab)
+    if strided:
+        base = torch.empty(rows, 2 * vocab, device="cuda", dtype=dtype)
+        x = base[:, ::2]
+    else:
+        x = torch.empty(rows, vocab, device="cuda", dtype=dtype)
+    x.copy_(torch.randn(rows, vocab, device="cuda", generator=generator) * 4 - 3)
+    x[:, 17::97] = -math.inf  # masks: legitimate, counted only where configured
+    x[0, [3, vocab // 2, vocab - 1]] = math.nan
+    x[1, [5, 4096]] = math.inf
+    x[2] = math.nan
+    x[3] = -math.inf
+    x[4, ::2] = math.nan
+    x[4, 1::2] = -math.inf
+    x[5, 0] = math.inf
+    x[5, 1] = math.nan
+    return x
+
+
+def _compare(kernel: object, x: torch.Tensor, spec: HealSpec) -> None:
+    rows = x.shape[0]
+    want = x.clone()
+    want_flags = torch.full((rows,), 255, dtype=torch.uint8, device="cuda")
+    want_counts = torch.zeros(len(LOGITS_SLOTS), dtype=torch.int64, device="cuda")
+    guard_logits_reference_(want, want_flags, want_counts, spec)
+    flags = torch.full((rows,), 255, dtype=torch.uint8, device="cuda")
+    counts = torch.zeros(len(LOGITS_SLOTS), dtype=torch.int64, device="cuda")
+    ws = kernel.workspace(rows, x.device)  # type: ignore[attr-defined]
+    for _ in range(2):  # the second call proves the scratch was reset by the first
+        y = x.clone()
+        counts.zero_()
+        kernel(y, flags, counts, spec, ws)  # type: ignore[operator]
+        assert torch.equal(flags, want_flags)
+        assert torch.equal(counts, want_counts)
+        assert torch.equal(y.view(INT_VIEW[y.dtype]), want.view(INT_VIEW[want.dtype]))
+        assert not ws.rowstate.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [8, 64])
+@pytest.mark.parametrize("cut", ["auto", "whole_rows"])
+def test_cuda_triton_kernel_equals_reference(dtype: torch.dtype, rows: int, cut: str) -> None:
+    triton_impl = _triton()
+    kernel = triton_impl.build(iters=None if cut == "auto" else 1023)  # type: ignore[attr-defined]
+    spec = HealSpec(-math.inf, posinf_replacement(dtype, 1e-5), True, False)
+    _compare(kernel, _dirty(rows, VOCAB, dtype), spec)
+
+
+@pytest.mark.parametrize(
+    ("sanitize", "count_neginf", "explicit"),
+    [(False, False, False), (True, True, False), (False, True, False), (True, False, True)],
+)
+def test_cuda_triton_kernel_equals_reference_for_every_site_mode(
+    sanitize: bool, count_neginf: bool, explicit: bool
+) -> None:
+    triton_impl = _triton()
+    kernel = triton_impl.build()  # type: ignore[attr-defined]
+    if explicit:
+        spec = HealSpec(-1e30, 1e30, sanitize, count_neginf)
+    else:
+        spec = HealSpec(-math.inf, posinf_replacement(torch.float32, 1e-5), sanitize, count_neginf)
+    _compare(kernel, _dirty(8, VOCAB, torch.float32), spec)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_triton_kernel_equals_reference_on_strided_views(dtype: torch.dtype) -> None:
+    triton_impl = _triton()
+    spec = HealSpec(-math.inf, posinf_replacement(dtype, 1e-5), True, True)
+    _compare(triton_impl.build(), _dirty(6, 5000, dtype, strided=True), spec)  # type: ignore[attr-defined]
+
+
+def test_cuda_sites_use_the_compiled_triton_kernel() -> None:
+    triton_impl = _triton()
+    assert "TRITON_INTERPRET" not in os.environ
+    guards = fresh_guardrails()
+    site = guards.site(SITE, device="cuda", capacity=8)
+    kernel = site._kernel(torch.device("cuda", torch.cuda.current_device()))
+    assert isinstance(kernel, triton_impl.TritonLogitsKernel)  # type: ignore[attr-defined]
+    assert type(kernel._jit).__name__ == "JITFunction"  # not an interpreted copy
+    guards.close()
+
+
+def test_cuda_guarded_calls_never_sync_the_host() -> None:
+    _triton()
+    guards = fresh_guardrails(reporting={"every_calls": 2})
+    site = guards.site(SITE, device="cuda", capacity=8)
+    template = _dirty(8, VOCAB, torch.bfloat16)
+    work = torch.empty_like(template)
+    site(torch.zeros(8, VOCAB, device="cuda", dtype=torch.bfloat16))  # compile/load first
+    torch.cuda.synchronize()
+    [device_counts] = site.device_counts()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):  # every second call starts a copy to the host mirror
+            work.copy_(template)  # fresh bad values: each call heals
+            site(work)
+            device_counts.latest()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert guards.count(SITE, CountKind.NAN) == 12 * (3 + VOCAB + VOCAB // 2 + 1)
+    assert guards.count(SITE, CountKind.ROWS_NO_VALID_TOKEN) == 12 * 3
+    guards.close()
+
+
+def test_cuda_one_guarded_call_launches_exactly_one_kernel() -> None:
+    _triton()
+    from torch.profiler import ProfilerActivity, profile
+
+    guards = fresh_guardrails(reporting={"every_calls": 1})  # a host copy on every call too
+    site = guards.site(SITE, device="cuda", capacity=64)
+    logits = [_dirty(64, VOCAB, dtype) for dtype in DTYPES]
+    for x in logits:
+        site(x.clone())  # compile/load outside the profile
+    torch.cuda.synchronize()
+    calls = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            for x in logits:
+                site(x)
+        torch.cuda.synchronize()
+    kernels = [
+        e.name
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not e.name.startswith(("Memcpy", "Memset"))
+    ]
+    assert len(kernels) == calls * len(logits), kernels
+    assert all("guard_logits_kernel" in name for name in kernels), set(kernels)
+    guards.close()
+
+
+def test_cuda_graph_replays_count_fresh_bad_values_exactly() -> None:
+    _triton()
+    # No report tick during capture: a tick may query a CUDA event, illegal while capturing.
+    guards = fresh_guardrails(reporting={"every_calls": 1_000_000})
+    site = guards.site(SITE, device="cuda", capacity=16)
+    static = torch.randn(16, VOCAB, device="cuda")
+    site(static.clone())  # compile/load before capture
+    torch.cuda.synchronize()
+    before = {kind: guards.count(SITE, kind) for kind in LOGITS_SLOTS}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flags = site(static)
+    clean = torch.randn(16, VOCAB, device="cuda")
+    expected = dict.fromkeys(LOGITS_SLOTS, 0)
+    replays = 100
+    for i in range(replays):
+        static.copy_(clean)
+        nan_row, inf_row = i % 16, (i + 5) % 16
+        static[nan_row, : i + 1] = math.nan
+        static[inf_row, VOCAB - 2 :] = math.inf
+        if i % 10 == 0:
+            static[(i + 9) % 16] = -math.inf  # a row with no valid entry
+            expected[CountKind.ROWS_NO_VALID_TOKEN] += 1
+        expected[CountKind.NAN] += i + 1
+        expected[CountKind.POSINF] += 2
+        expected[CountKind.ROWS_NONFINITE] += 2
+        graph.replay()
+        assert static[nan_row, 0].item() == -math.inf
+    torch.cuda.synchronize()
+    after = {kind: guards.count(SITE, kind) - before[kind] for kind in LOGITS_SLOTS}
+    assert after == expected
+    last = [0] * 16  # the flags of the 100th replay (i = 99)
+    last[99 % 16] = int(RowFlag.NAN)
+    last[(99 + 5) % 16] = int(RowFlag.POSINF)
+    assert flags.tolist() == last
+    guards.close()
+
+
+def test_cuda_host_mirror_is_pinned() -> None:
+    guards = fresh_guardrails()
+    site = guards.site(SITE, device="cuda")
+    [device_counts] = site.device_counts()
+    # Private, but pinned memory is what makes the copy to the host asynchronous.
+    assert device_counts._mirror.is_pinned()
+    guards.close()
+
+
+_ASSERT_SCRIPT = textwrap.dedent(
+    """
+    import math, sys, torch
+    from guardrails.testing import fresh_guardrails
+    guards = fresh_guardrails(async_assert=True)
+    x = torch.randn(4, 1000, device="cuda")
+    if sys.argv[1] == "dirty":
+        x[2, 7] = math.nan
+    guards.site("sampler.logits")(x)
+    torch.cuda.synchronize()
+    print("survived")
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["clean", "dirty"])
+def test_cuda_async_assert_fails_the_process_only_on_bad_logits(kind: str) -> None:
+    # A device-side assert poisons the CUDA context, so it runs in a child process.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    env = {k: v for k, v in env.items() if not k.startswith("GUARDRAILS_")}
+    result = subprocess.run(
+        [sys.executable, "-c", _ASSERT_SCRIPT, kind],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    if kind == "clean":
+        assert result.returncode == 0, result.stderr
+        assert "survived" in result.stdout
+    else:
+        assert result.returncode != 0
+        assert "survived" not in result.stdout
+        assert "device-side assert" in result.stderr or "Assertion" in result.stderr, result.stderr
