@@ -109,12 +109,13 @@ class DeviceCounts:
 
 
 class _DeviceState:
-    __slots__ = ("capacity", "counts", "device", "flags", "views", "workspace")
+    __slots__ = ("capacity", "counts", "device", "flags", "kernel", "views", "workspace")
 
     def __init__(
         self, device: torch.device, capacity: int, slots: int, kernel: LogitsKernel | None
     ) -> None:
         self.device = device
+        self.kernel = kernel  # None at token-id sites
         self.counts = DeviceCounts(device, slots)
         self._allocate(capacity, kernel)
 
@@ -211,18 +212,24 @@ class _SiteBase:
         return state
 
     def _count_call(self, tensor: torch.Tensor, state: _DeviceState) -> None:
-        with self._lock:
-            self._calls += 1
-            due = self._calls % self._every == 0
-        if self.last_dtype is None:
-            # Log events reported before the first tick (a flush on close) still name them.
-            self.last_dtype = tensor.dtype
-            self.last_shape = tuple(tensor.shape)
-        if due and self._reporter is not None:
-            self.last_dtype = tensor.dtype
-            self.last_shape = tuple(tensor.shape)
-            state.counts.request()
-            self._reporter.tick()
+        # Called with the site lock held, at the end of every call.
+        calls = self._calls = self._calls + 1
+        due = calls % self._every == 0
+        if due or calls == 1:
+            self._report(tensor, state, due=due)
+
+    def _report(self, tensor: torch.Tensor, state: _DeviceState, *, due: bool) -> None:
+        # dtype and shape for log events, also those flushed before the first tick.
+        self.last_dtype = tensor.dtype
+        self.last_shape = tuple(tensor.shape)
+        if not due or self._reporter is None:
+            return
+        if state.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Inside a CUDA-graph capture a copy would be recorded into the graph and an event
+            # query may invalidate the capture: the next tick outside it reports instead.
+            return
+        state.counts.request()
+        self._reporter.tick()
 
     # -- inspection -------------------------------------------------------------------
 
@@ -323,7 +330,8 @@ class LogitsSite(_SiteBase):
             )
         vocab = logits.shape[-1]
         rows = logits.numel() // vocab if vocab else _leading(logits)
-        kernel = self._kernels.get(state.device) or self._kernel(state.device)
+        kernel = state.kernel
+        assert kernel is not None  # a logits site always has one (for mypy)
         flags = state.views.get(rows)
         if flags is None:
             flags = state.flags_view(rows, kernel, self.name)

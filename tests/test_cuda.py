@@ -171,10 +171,12 @@ def test_cuda_one_guarded_call_launches_exactly_one_kernel() -> None:
     guards.close()
 
 
-def test_cuda_graph_replays_count_fresh_bad_values_exactly() -> None:
+@pytest.mark.parametrize("every_calls", [1, 1_000_000])
+def test_cuda_graph_replays_count_fresh_bad_values_exactly(every_calls: int) -> None:
     _triton()
-    # No report tick during capture: a tick may query a CUDA event, illegal while capturing.
-    guards = fresh_guardrails(reporting={"every_calls": 1_000_000})
+    # every_calls=1: a report tick falls due during the capture and must be skipped there
+    # (recording a copy or querying an event would break the capture).
+    guards = fresh_guardrails(reporting={"every_calls": every_calls})
     site = guards.site(SITE, device="cuda", capacity=16)
     static = torch.randn(16, VOCAB, device="cuda")
     site(static.clone())  # compile/load before capture
