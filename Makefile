@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: demo test lint typecheck pytest bench install clean
+.PHONY: demo test lint typecheck pytest bench docs install clean
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest
+
+docs: $(STAMP)
+	$(BIN)/python -m guardrails.reference --write
 
 bench: $(STAMP)
 	$(BIN)/guardrails bench

@@ -67,8 +67,10 @@ _BOOL = "true or false (also 1/0, yes/no, on/off)"
 _ABORT_FLAGS = "row flag names: nan, posinf, neginf, no_valid_token, any; [] heals and carries on"
 
 
-def _accepted(text: str) -> dict[str, Any]:
-    return {"json_schema_extra": {"accepted": text}}
+def _accepted(text: str, meaning: str = "") -> dict[str, Any]:
+    """Field metadata: the accepted values (for errors) and the meaning (for the reference
+    that `guardrails.reference` generates from these models)."""
+    return {"json_schema_extra": {"accepted": text}, "description": meaning}
 
 
 class _Frozen(BaseModel):
@@ -78,23 +80,58 @@ class _Frozen(BaseModel):
 class SiteSettings(_Frozen):
     """Per-site overrides: a `[sites."name"]` table in the config file."""
 
-    sanitize: Annotated[bool | None, Field(**_accepted(_BOOL))] = None
-    async_assert: Annotated[bool | None, Field(**_accepted(_BOOL))] = None
-    count_neginf: Annotated[bool, Field(**_accepted(_BOOL))] = False
+    sanitize: Annotated[
+        bool | None,
+        Field(**_accepted(_BOOL, "heal in place at this site; unset: the global value")),
+    ] = None
+    async_assert: Annotated[
+        bool | None,
+        Field(**_accepted(_BOOL, "device-side assert at this site; unset: the global value")),
+    ] = None
+    count_neginf: Annotated[
+        bool,
+        Field(
+            **_accepted(_BOOL, "count -inf as bad (raw logits before any mask); never rewritten")
+        ),
+    ] = False
     nan_value: Annotated[
-        float, Field(**_accepted("-inf, or a finite number that stays finite in every dtype"))
+        float,
+        Field(
+            **_accepted(
+                "-inf, or a finite number that stays finite in every dtype",
+                "what NaN becomes while its row keeps a valid entry",
+            )
+        ),
     ] = -math.inf
     posinf_value: Annotated[
         float | None,
-        Field(**_accepted("a finite number that stays finite in every dtype after / T")),
+        Field(
+            **_accepted(
+                "a finite number that stays finite in every dtype after / T",
+                "what +Inf becomes; unset: min(1e30, 0.5 * finfo.max * min(1, min_temperature))",
+            )
+        ),
     ] = None
     dtypes: Annotated[
-        tuple[DtypeName, ...], Field(min_length=1, **_accepted(", ".join(ALL_DTYPES)))
+        tuple[DtypeName, ...],
+        Field(
+            min_length=1,
+            **_accepted(
+                ", ".join(ALL_DTYPES), "logits dtypes the site accepts (others: TypeError)"
+            ),
+        ),
     ] = ALL_DTYPES
-    replacement_id: Annotated[int, Field(ge=0, **_accepted("an integer >= 0"))] = 0
+    replacement_id: Annotated[
+        int, Field(ge=0, **_accepted("an integer >= 0", "what an out-of-vocab token id becomes"))
+    ] = 0
     # Policy for integrations that can end a request (GuardLogitsProcessor): rows carrying
     # any of these flags are forced to end (EOS) instead of sampling from healed logits.
-    abort_on: Annotated[tuple[str, ...], Field(**_accepted(_ABORT_FLAGS))] = ()
+    abort_on: Annotated[
+        tuple[str, ...],
+        Field(
+            **_accepted(_ABORT_FLAGS, "rows with these flags end with EOS (GuardLogitsProcessor)")
+        ),
+    ] = ()
 
     @field_validator("abort_on")
     @classmethod
@@ -116,15 +153,28 @@ class AttachSettings(_Frozen):
     and by `guardrails check`.
     """
 
-    site: Annotated[str, Field(**_accepted("a site name such as sampler.logits"))]
-    target: Annotated[str, Field(**_accepted(TARGET_SYNTAX))]
-    tensor: Annotated[str, Field(**_accepted(REF_SYNTAX))] = "return"
-    kind: Annotated[Literal["logits", "token_ids"], Field(**_accepted("logits, token_ids"))] = (
-        "logits"
-    )
-    vocab_size: Annotated[int | None, Field(gt=0, **_accepted("an integer > 0"))] = None
+    site: Annotated[
+        str, Field(**_accepted("a site name such as sampler.logits", "the site that guards"))
+    ]
+    target: Annotated[str, Field(**_accepted(TARGET_SYNTAX, "the callable to patch"))]
+    tensor: Annotated[
+        str, Field(**_accepted(REF_SYNTAX, "which argument or return value is guarded"))
+    ] = "return"
+    kind: Annotated[
+        Literal["logits", "token_ids"],
+        Field(**_accepted("logits, token_ids", "a logits site or a token-id site")),
+    ] = "logits"
+    vocab_size: Annotated[
+        int | None, Field(gt=0, **_accepted("an integer > 0", "vocabulary size (token ids)"))
+    ] = None
     vocab_size_from: Annotated[
-        str | None, Field(**_accepted(REF_SYNTAX + ", naming an int or a [..., vocab] tensor"))
+        str | None,
+        Field(
+            **_accepted(
+                REF_SYNTAX + ", naming an int or a [..., vocab] tensor",
+                "where to read the vocabulary size at the first call (token ids)",
+            )
+        ),
     ] = None
 
     @field_validator("site")
@@ -164,21 +214,58 @@ class ReportingSettings(_Frozen):
     """How device counts reach logs: the `[reporting]` table."""
 
     log_interval_s: Annotated[
-        float, Field(gt=0, allow_inf_nan=False, **_accepted("a finite number of seconds > 0"))
+        float,
+        Field(
+            gt=0,
+            allow_inf_nan=False,
+            **_accepted(
+                "a finite number of seconds > 0",
+                "at most one log event per site per interval; counts are never throttled",
+            ),
+        ),
     ] = 60.0
     log_format: Annotated[
-        Literal["host", "json"], Field(**_accepted("host (leave logging to the host), json"))
+        Literal["host", "json"],
+        Field(
+            **_accepted(
+                "host (leave logging to the host), json",
+                "json: set up JSON log lines if the host has not configured structlog",
+            )
+        ),
     ] = "host"
-    every_calls: Annotated[int, Field(ge=1, le=1_000_000, **_accepted("an integer 1-1000000"))] = 32
+    every_calls: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1_000_000,
+            **_accepted(
+                "an integer 1-1000000",
+                "calls of a site between non-blocking copies of its counts to the host",
+            ),
+        ),
+    ] = 32
 
 
 class MetricsSettings(_Frozen):
     """Prometheus exposition: the `[metrics]` table."""
 
-    port: Annotated[int, Field(ge=0, le=65535, **_accepted("an integer 0-65535"))] = 0
-    addr: Annotated[str, Field(min_length=1, **_accepted("an IP address or host name"))] = (
-        "127.0.0.1"
-    )
+    port: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=65535,
+            **_accepted(
+                "an integer 0-65535", "0: only register counters; >0: also serve /metrics here"
+            ),
+        ),
+    ] = 0
+    addr: Annotated[
+        str,
+        Field(
+            min_length=1,
+            **_accepted("an IP address or host name", "bind address of the /metrics server"),
+        ),
+    ] = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -367,18 +454,52 @@ class GuardSettings(BaseSettings):
 
     model_config = SettingsConfigDict(extra="forbid", frozen=True)
 
-    enabled: Annotated[bool, Field(**_accepted(_BOOL))] = True
-    sanitize: Annotated[bool, Field(**_accepted(_BOOL))] = True
-    async_assert: Annotated[bool, Field(**_accepted(_BOOL))] = False
+    enabled: Annotated[
+        bool, Field(**_accepted(_BOOL, "master switch; false makes every site a no-op"))
+    ] = True
+    sanitize: Annotated[
+        bool, Field(**_accepted(_BOOL, "heal in place; false: detect, flag and count only"))
+    ] = True
+    async_assert: Annotated[
+        bool,
+        Field(
+            **_accepted(
+                _BOOL,
+                "CI mode: device-side assert on NaN, +Inf, rows with no valid token and "
+                "out-of-vocab ids",
+            )
+        ),
+    ] = False
     enabled_sites: Annotated[
-        tuple[str, ...], Field(**_accepted("comma-separated site names or glob patterns"))
+        tuple[str, ...],
+        Field(
+            **_accepted(
+                "comma-separated site names or glob patterns", "sites that guard (not empty)"
+            )
+        ),
     ] = ("*",)
     disabled_sites: Annotated[
-        tuple[str, ...], Field(**_accepted("comma-separated site names or glob patterns"))
+        tuple[str, ...],
+        Field(
+            **_accepted(
+                "comma-separated site names or glob patterns",
+                "sites switched off, applied after the enable list",
+            )
+        ),
     ] = ()
-    config_file: Annotated[Path | None, Field(**_accepted("a path to a TOML file"))] = None
+    config_file: Annotated[
+        Path | None, Field(**_accepted("a path to a TOML file", "the TOML configuration file"))
+    ] = None
     min_temperature: Annotated[
-        float, Field(gt=0, allow_inf_nan=False, **_accepted("a finite number > 0"))
+        float,
+        Field(
+            gt=0,
+            allow_inf_nan=False,
+            **_accepted(
+                "a finite number > 0",
+                "smallest temperature the engine divides by; bounds the +Inf replacement",
+            ),
+        ),
     ] = 1e-5
     reporting: ReportingSettings = ReportingSettings()
     metrics: MetricsSettings = MetricsSettings()
