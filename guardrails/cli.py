@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 __all__ = ["COMMANDS", "main"]
 
-COMMANDS: tuple[str, ...] = ("demo", "check", "run", "bench")
+COMMANDS: tuple[str, ...] = ("demo", "config", "check", "run", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -617,11 +617,15 @@ class GuardSettings(BaseSettings):
     def origin(self, *keys: str | int) -> str:
         """Where the value at `keys` came from: a variable, a file key, an argument or default.
 
-        List positions are ints: `origin("attach", 0, "target")`."""
+        List positions are ints: `origin("attach", 0, "target")`. A key that a file table
+        leaves out is a default; a model object passed as an argument covers all its keys."""
         path = tuple(_part(key) for key in keys)
-        for n in range(len(path), 0, -1):
+        found = self._origins.get(path)
+        if found is not None:
+            return found
+        for n in range(len(path) - 1, 0, -1):
             found = self._origins.get(tuple(path[:n]))
-            if found is not None:
+            if found is not None and found.startswith("argument"):
                 return found
         return "default"
 
