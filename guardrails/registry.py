@@ -209,6 +209,11 @@ class Guardrails:
         """Push the device counts that have reached the host to metrics and logs."""
         self._reporter.poll()
 
+    def flush(self) -> None:
+        """Push exact totals to metrics and logs now, waiting for the devices (shutdown,
+        tests); unlike `close()`, reporting goes on."""
+        self._reporter.flush()
+
     def counts(self) -> dict[tuple[str, str], int]:
         """Exact cumulative counts `{(site, kind): n}` of enabled sites (waits for devices)."""
         out: dict[tuple[str, str], int] = {}

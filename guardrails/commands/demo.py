@@ -98,11 +98,13 @@ def run(args: argparse.Namespace) -> int:
     result = run_demo(config, guards, progress=progress_bar(config.requests))
     wall = time.perf_counter() - started
     if guards is not None:
-        guards.close()
+        guards.flush()  # exact totals in the counters before the summary and any scrape
     _summary(result, guards, wall)
-    if guards is not None and args.serve_after > 0:
-        print(f"serving metrics for {args.serve_after:g} s more", flush=True)
-        time.sleep(args.serve_after)
+    if guards is not None:
+        if args.serve_after > 0:
+            print(f"serving metrics for {args.serve_after:g} s more", flush=True)
+            time.sleep(args.serve_after)
+        guards.close()
     return 1 if result.crashed else 0
 
 
