@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ERROR_STAGES",
+    "METRIC_LABELS",
     "METRIC_NAMES",
     "SLOT_SERIES",
     "GuardMetrics",
@@ -83,6 +84,10 @@ _FAMILIES: Final = (
     ),
 )
 METRIC_NAMES: Final = tuple(f"{name}_total" for _attr, name, _help, _labels in _FAMILIES)
+# Exported name -> label names: what dashboards and alert rules may select on.
+METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
+    f"{name}_total": labels for _attr, name, _help, labels in _FAMILIES
+}
 
 
 @dataclass(frozen=True)
