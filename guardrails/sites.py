@@ -310,6 +310,8 @@ class LogitsSite(_SiteBase):
         return self._specs[dtype]
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        # The hot path: a few attribute reads around one kernel call (B=1 decode pays every
+        # one of them), so the per-call bookkeeping is inlined here rather than factored out.
         spec = self._specs.get(getattr(logits, "dtype", None))  # type: ignore[arg-type]
         if spec is None:
             raise self._type_error(logits)
@@ -319,8 +321,13 @@ class LogitsSite(_SiteBase):
         with self._lock:
             if logits.requires_grad or logits.is_inference():
                 with _writable(logits):
-                    return self._guard(logits, spec, state)
-            return self._guard(logits, spec, state)
+                    flags = self._guard(logits, spec, state)
+            else:
+                flags = self._guard(logits, spec, state)
+            calls = self._calls = self._calls + 1
+            if calls % self._every == 0 or calls == 1:
+                self._report(logits, state, due=calls % self._every == 0)
+            return flags
 
     def _guard(self, logits: torch.Tensor, spec: HealSpec, state: _DeviceState) -> torch.Tensor:
         if logits.dim() == 0:
@@ -343,7 +350,6 @@ class LogitsSite(_SiteBase):
             kernel(logits, flags, state.counts.counts, spec, state.workspace)
         if self._assert_msg is not None:
             torch._assert_async(flags.bitwise_and(_ASSERTED).eq(0).all(), self._assert_msg)
-        self._count_call(logits, state)
         return flags
 
     def _type_error(self, logits: object) -> TypeError:
