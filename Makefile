@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: demo test lint typecheck pytest bench docs install clean
+.PHONY: demo test lint typecheck pytest bench docs reliability install clean
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/guardrails bench
+
+# The long version of the fuzz/soak/fault/security suite (about 8 minutes on 2 cores);
+# `make test` runs the short version. Figures: docs/reliability.md.
+reliability: $(STAMP)
+	$(BIN)/python -m benchmarks.reliability
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

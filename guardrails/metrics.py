@@ -156,7 +156,8 @@ def resolve_rank(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     for key in ("RANK", "LOCAL_RANK"):
         raw = env.get(key, "").strip()
-        if raw.isdigit():
+        # ASCII only: str.isdigit() also accepts digits int() refuses, such as "²".
+        if raw.isascii() and raw.isdigit():
             return str(int(raw))
     return "0"
 

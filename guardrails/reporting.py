@@ -10,8 +10,10 @@ have completed (`DeviceCounts.latest()`), so nothing here waits for a device; `f
 - Logs: one structlog event per site when new bad values arrive: the first at once, then at
   most one per `reporting.log_interval_s`, carrying how many events it folds in
   (`suppressed`). Fields are counts, names, dtype and shape: never tensor values.
-- Faults: an exception while reading counts, writing a metric or logging never reaches the
-  guarded call; it is counted in `guardrails_reporting_errors_total{stage}` and logged once.
+- Faults: an exception while reading counts, creating or writing a metric or logging never
+  reaches the guarded call (nor site creation); it is counted in
+  `guardrails_reporting_errors_total{stage}` and logged once. A series that cannot be created
+  (an unwritable multiprocess directory) is retried at each increment, so it catches up.
 
 Why `every_calls` defaults to 32: a tick costs about 2-2.5 us of host time on the CPU
 (measured) and, on CUDA, a 40-byte pinned copy, an event record and an event query, about
@@ -177,7 +179,7 @@ class Reporter:
             family = self._metrics
             for i, kind in enumerate(site.slots):
                 report.children[i] = self._child_for(kind, site, rank, family)
-            report.calls_child = family.guard_calls.labels(site=site.name, rank=rank)
+            report.calls_child = self._series(family.guard_calls, site=site.name, rank=rank)
 
     def track(self, site: _SiteBase, counts: DeviceCounts) -> None:
         """A site got buffers on a new device."""
@@ -244,8 +246,8 @@ class Reporter:
         if self._rank is None:
             self._rank = metrics.resolve_rank()
             for stage in metrics.ERROR_STAGES:
-                self._errors[stage] = self._metrics.reporting_errors.labels(
-                    stage=stage, rank=self._rank
+                self._errors[stage] = self._series(
+                    self._metrics.reporting_errors, stage=stage, rank=self._rank
                 )
         return self._rank
 
@@ -259,8 +261,19 @@ class Reporter:
         ):
             return _Lazy(family.nonfinite_values, site=site.name, kind=label, rank=rank)
         if attr == "nonfinite_values":
-            return family.nonfinite_values.labels(site=site.name, kind=label, rank=rank)
-        return family.flagged_rows.labels(site=site.name, reason=label, rank=rank)
+            return self._series(family.nonfinite_values, site=site.name, kind=label, rank=rank)
+        return self._series(family.flagged_rows, site=site.name, reason=label, rank=rank)
+
+    def _series(self, family: Any, **labels: str) -> _Lazy:
+        # Made now, so that it exists at 0 from the start. prometheus-client creates a
+        # multiprocess file here; if that fails, site creation (maybe inside the first
+        # sampling call) must not: the series is made at its first increment instead.
+        series = _Lazy(family, **labels)
+        try:
+            series.create()
+        except Exception as exc:
+            self._fault("metrics", exc)
+        return series
 
     def _report(self, *, exact: bool) -> None:
         for report in self._sites.values():
@@ -388,8 +401,10 @@ class Reporter:
 
 
 class _Lazy:
-    """A series that is created on its first increment (-inf at sites that do not count it:
-    it is never counted there, so it should not be exported as a permanent 0)."""
+    """A series that is created by `create()` or, failing that, on its first increment.
+
+    -inf at sites that do not count it is only ever created by an increment: it is never
+    counted there, so it should not be exported as a permanent 0."""
 
     __slots__ = ("_child", "_family", "_labels")
 
@@ -398,9 +413,13 @@ class _Lazy:
         self._labels = labels
         self._child: Any = None
 
-    def inc(self, amount: float = 1) -> None:
+    def create(self) -> None:
         if self._child is None:
             self._child = self._family.labels(**self._labels)
+
+    def inc(self, amount: float = 1) -> None:
+        if self._child is None:
+            self.create()
         self._child.inc(amount)
 
 

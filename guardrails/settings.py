@@ -73,6 +73,14 @@ def _accepted(text: str, meaning: str = "") -> dict[str, Any]:
     return {"json_schema_extra": {"accepted": text}, "description": meaning}
 
 
+def _no_float_switch(value: object) -> object:
+    # pydantic's lax bool also takes the floats 0.0 and 1.0 (from TOML): no documented
+    # spelling is a float, and `enabled = 0.0` must not be one more way to switch off.
+    if isinstance(value, float):
+        raise ValueError("a switch takes true or false, not a float")
+    return value
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -132,6 +140,11 @@ class SiteSettings(_Frozen):
             **_accepted(_ABORT_FLAGS, "rows with these flags end with EOS (GuardLogitsProcessor)")
         ),
     ] = ()
+
+    @field_validator("sanitize", "async_assert", "count_neginf", mode="before")
+    @classmethod
+    def _site_switch(cls, value: object) -> object:
+        return _no_float_switch(value)
 
     @field_validator("abort_on")
     @classmethod
@@ -418,6 +431,11 @@ class _FileSource(PydanticBaseSettingsSource):
         except tomllib.TOMLDecodeError as exc:
             collector.problems.append(Problem(f"{path}", f"malformed TOML: {exc}"))
             return {}
+        except ValueError as exc:
+            # A path the OS cannot take at all ("embedded null byte"): an argument, since
+            # environment variables cannot hold NUL.
+            collector.problems.append(Problem(where, f"invalid config file path: {exc}", raw))
+            return {}
         if "config_file" in data:
             collector.problems.append(
                 Problem(f"{path}: config_file", "a config file cannot name another config file")
@@ -537,6 +555,11 @@ class GuardSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return _InitSource(settings_cls), _EnvSource(settings_cls), _FileSource(settings_cls)
+
+    @field_validator("enabled", "sanitize", "async_assert", mode="before")
+    @classmethod
+    def _switch(cls, value: object) -> object:
+        return _no_float_switch(value)
 
     # -- semantic checks that need several fields at once --------------------------------
 

@@ -32,18 +32,9 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,99}")
 _DEFAULT_CAPACITY: Final = 256
 _MAX_CACHED_VIEWS: Final = 64
 _ASSERTED: Final = int(RowFlag.NAN | RowFlag.POSINF | RowFlag.NO_VALID_TOKEN)
-_INTEGER_DTYPES: Final = frozenset(
-    {
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint8,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-    }
-)
+# Not uint16/32/64: torch has no comparison kernels for them ("lt_cpu" not implemented), so
+# they get a TypeError naming these instead of an error from inside the guard.
+_INTEGER_DTYPES: Final = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def validate_site_name(name: object) -> str:
@@ -346,6 +337,11 @@ class LogitsSite(_SiteBase):
             # No entry to sample from: each row is flagged and counted, nothing to write.
             flags.fill_(int(RowFlag.NO_VALID_TOKEN))
             state.counts.counts[LOGITS_SLOTS.index(CountKind.ROWS_NO_VALID_TOKEN)] += rows
+            # Written outside the kernel: one that re-zeroes only the flags it knows it left
+            # (the CPU kernel's `extent`) would otherwise return these from its next clean call.
+            workspace = state.workspace
+            if workspace is not None and hasattr(workspace, "extent"):
+                workspace.extent = max(workspace.extent, rows)
         elif rows:
             kernel(logits, flags, state.counts.counts, spec, state.workspace)
         if self._assert_msg is not None:
@@ -439,9 +435,10 @@ class TokenSite(_SiteBase):
                 f"guardrails token site {self.name!r} expects a torch.Tensor of token ids, got "
                 f"{type(ids).__name__}"
             )
+        accepted = ", ".join(str(d).removeprefix("torch.") for d in _INTEGER_DTYPES)
         return TypeError(
             f"guardrails token site {self.name!r}: token ids must be an integer tensor, got "
-            f"{ids.dtype}; the tensor was not modified"
+            f"{ids.dtype} (accepted: {accepted}); the tensor was not modified"
         )
 
 

@@ -523,6 +523,13 @@ def inspect_point(point: AttachPoint) -> TargetReport:
     except ModuleNotFoundError as exc:
         top = point.target.module.partition(".")[0]
         missing = exc.name or ""
+        parts = point.target.module.split(".")
+        if missing and missing not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+            # The target module exists but something it imports does not: not "module not
+            # found", which would send the user looking for a typo in the target.
+            return TargetReport(
+                point, "not_importable", f"importing {point.target.module} failed: {exc!r}"
+            )
         if missing == top or not _importable(top):
             return TargetReport(point, "not_importable", f"{top} is not installed here")
         return TargetReport(

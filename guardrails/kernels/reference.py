@@ -77,7 +77,11 @@ def guard_token_ids_(
     Rows: one per id for 0-d and 1-d ids, one per `[..., k]` slice otherwise.
     Token-id tensors are a few bytes per row, so one branch-free pass is always cheap.
     """
-    oob = (ids < 0) | (ids >= vocab_size)
+    # Compared against the largest valid id, clamped to what the dtype holds: torch casts a
+    # Python int to the tensor's dtype, so `ids >= 128` on int8 ids wrapped to `ids >= -128`
+    # and flagged (and replaced) every valid id whenever vocab_size exceeded the dtype.
+    high = min(vocab_size - 1, torch.iinfo(ids.dtype).max)
+    oob = (ids < 0) | (ids > high)
     row = oob.any(-1) if ids.dim() >= 2 else oob
     flags.copy_(row.reshape(-1).to(_U8) * int(RowFlag.OOB_TOKEN))
     counts.add_(torch.stack([oob.sum(), row.sum()]))
