@@ -303,7 +303,10 @@ class LogitsSite(_SiteBase):
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         # The hot path: a few attribute reads around one kernel call (B=1 decode pays every
         # one of them), so the per-call bookkeeping is inlined here rather than factored out.
-        spec = self._specs.get(getattr(logits, "dtype", None))  # type: ignore[arg-type]
+        try:
+            spec = self._specs.get(logits.dtype)
+        except AttributeError:
+            spec = None
         if spec is None:
             raise self._type_error(logits)
         state = self._state
@@ -321,12 +324,13 @@ class LogitsSite(_SiteBase):
             return flags
 
     def _guard(self, logits: torch.Tensor, spec: HealSpec, state: _DeviceState) -> torch.Tensor:
-        if logits.dim() == 0:
+        try:
+            vocab = logits.shape[-1]
+        except IndexError:
             raise ValueError(
                 f"guardrails site {self.name!r}: logits must have a vocab dimension, got a "
                 "0-d tensor"
-            )
-        vocab = logits.shape[-1]
+            ) from None
         rows = logits.numel() // vocab if vocab else _leading(logits)
         kernel = state.kernel
         assert kernel is not None  # a logits site always has one (for mypy)
