@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime as dt
 import fnmatch
-import json
 import math
 import os
 import tempfile
@@ -28,6 +27,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from guardrails import ConfigError, Guardrails, GuardSettings
+from guardrails import _toml as toml
 from guardrails.metrics import resolve_rank
 from guardrails.settings import ENV_VARS, KNOWN_SITES, MetricsSettings, SiteSettings
 from guardrails.sites import DisabledSite
@@ -59,37 +59,9 @@ def is_false_spelling(value: object) -> bool:
 # -- TOML documents ------------------------------------------------------------------------
 
 
-def toml_string(text: str) -> str:
-    # JSON string escapes are TOML basic-string escapes; TOML also wants DEL escaped.
-    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return toml_string(value)
-    if isinstance(value, dt.datetime | dt.date | dt.time):
-        return value.isoformat()
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(item) for item in value) + "]"
-    if isinstance(value, dict):
-        items = (f"{toml_string(str(k))} = {toml_value(v)}" for k, v in value.items())
-        return "{" + ", ".join(items) + "}"
-    raise TypeError(type(value))
-
-
 def toml_document(doc: Mapping[str, Any]) -> str:
     """One `key = value` line per top-level key; tables and arrays of tables inline."""
-    return "".join(f"{toml_string(key)} = {toml_value(value)}\n" for key, value in doc.items())
+    return "".join(f"{toml.string(key)} = {toml.value(value)}\n" for key, value in doc.items())
 
 
 SCALARS = st.one_of(

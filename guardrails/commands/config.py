@@ -13,15 +13,13 @@ import argparse
 import json
 import math
 import os
-import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from guardrails import _toml as toml
 
 if TYPE_CHECKING:
     from guardrails.settings import GuardSettings
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def register(sub: Any) -> None:
@@ -88,7 +86,7 @@ def _key(path: tuple[str | int, ...]) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += ("." if out else "") + (part if _BARE_KEY.fullmatch(part) else json.dumps(part))
+            out += ("." if out else "") + toml.key(part)
     return out
 
 
@@ -123,7 +121,7 @@ def _env(settings: GuardSettings) -> str:
         if name is not None:
             lines.append(f"{name}={_plain(value)}")
     file_only = [
-        f"# {_key(path)} = {_toml_value(value)}"
+        f"# {_key(path)} = {toml.value(value)}"
         for path, value, _origin in entries(settings)
         if path[0] in ("sites", "attach") and value is not None
     ]
@@ -132,25 +130,6 @@ def _env(settings: GuardSettings) -> str:
         lines.append(f"# set in {where} only (no environment variable):")
         lines += file_only
     return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, tuple | list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, Path):
-        value = str(value)
-    # JSON string escapes are a subset of TOML basic-string escapes.
-    return json.dumps(str(value))
 
 
 def _toml(settings: GuardSettings) -> str:
@@ -162,7 +141,7 @@ def _toml(settings: GuardSettings) -> str:
         if path == ("config_file",) or value is None:
             continue
         key = str(path[-1])
-        line = f"{key if _BARE_KEY.fullmatch(key) else json.dumps(key)} = {_toml_value(value)}"
+        line = f"{toml.key(key)} = {toml.value(value)}"
         if len(path) == 1:
             lines.append(line)
         elif path[0] == "attach":
