@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from guardrails import ConfigError, Guardrails, GuardSettings
+from guardrails import _toml as toml
 from guardrails.integrations.launcher import prepare
 from guardrails.integrations.targets import Target, parse_target
 from guardrails.testing import fresh_guardrails
@@ -210,15 +211,11 @@ def payloads(sentinel: Path) -> list[str]:
     ]
 
 
-def _toml(text: str) -> str:
-    return json.dumps(text)  # a JSON string is a valid TOML basic string
-
-
 def rejected_document(sentinel: Path) -> str:
     """Every string of the file carries a payload: the settings must refuse it."""
     lines = []
     for i, p in enumerate(payloads(sentinel)):
-        q = _toml(p)
+        q = toml.string(p)
         lines += [
             "[[attach]]",
             f"site = {q}",
@@ -227,7 +224,7 @@ def rejected_document(sentinel: Path) -> str:
             f"vocab_size_from = {q}",
         ]
         lines += [f'[sites."sampler.logits{i}"]', f"dtypes = [{q}]", f"abort_on = [{q}]"]
-    first = _toml(payloads(sentinel)[0])
+    first = toml.string(payloads(sentinel)[0])
     head = [
         f"enabled = {first}",
         f"enabled_sites = [{first}]",
@@ -245,8 +242,8 @@ def rejected_document(sentinel: Path) -> str:
 def accepted_document(sentinel: Path) -> str:
     """Payloads only where any string is accepted: a site table's name, the metrics address
     (not served: port 0). The settings build; the strings stay strings."""
-    lines = [f"[sites.{_toml(p)}]\ncount_neginf = true" for p in payloads(sentinel)]
-    return "\n".join(["[metrics]", f"addr = {_toml(payloads(sentinel)[2])}", *lines]) + "\n"
+    lines = [f"[sites.{toml.string(p)}]\ncount_neginf = true" for p in payloads(sentinel)]
+    return "\n".join(["[metrics]", f"addr = {toml.string(payloads(sentinel)[2])}", *lines]) + "\n"
 
 
 def run_cli(args: Sequence[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -381,7 +378,7 @@ def test_malicious_targets_are_rejected_before_any_import(
 def test_malicious_targets_in_a_config_file_are_refused_naming_the_entry(tmp_path: Path) -> None:
     path = tmp_path / "guardrails.toml"
     entries = [
-        f'[[attach]]\nsite = "sampler.logits"\ntarget = {_toml(target)}\n'
+        f'[[attach]]\nsite = "sampler.logits"\ntarget = {toml.string(target)}\n'
         for target in MALICIOUS_TARGETS
     ]
     path.write_text("".join(entries), encoding="utf-8")
