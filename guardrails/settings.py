@@ -18,6 +18,7 @@ import difflib
 import fnmatch
 import math
 import os
+import stat
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -406,6 +407,23 @@ class _EnvSource(PydanticBaseSettingsSource):
         return out
 
 
+# Far above any real configuration; a bound, so that a path to a device or a huge file fails
+# at once instead of exhausting memory at start-up.
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_config(path: Path) -> str:
+    # Only regular files (symlinks to them, as Kubernetes ConfigMap mounts are, included): a
+    # FIFO would block start-up, /dev/zero would never end.
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise OSError(f"{path} is not a regular file")
+    with path.open("rb") as handle:
+        data = handle.read(_MAX_CONFIG_BYTES + 1)
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise OSError(f"{path} is larger than {_MAX_CONFIG_BYTES} bytes")
+    return data.decode("utf-8")
+
+
 class _FileSource(PydanticBaseSettingsSource):
     """The TOML file named by the `config_file` argument or `GUARDRAILS_CONFIG_FILE`."""
 
@@ -417,11 +435,15 @@ class _FileSource(PydanticBaseSettingsSource):
         raw = self.current_state.get("config_file")
         if raw is None or raw == "":
             return {}
-        path = Path(raw).expanduser()
-        collector.file = path
         where = collector.origins.get(("config_file",), "config_file")
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            path = Path(raw).expanduser()
+        except RuntimeError as exc:  # "~nosuchuser/...": no home directory to expand to
+            collector.problems.append(Problem(where, f"invalid config file path: {exc}", raw))
+            return {}
+        collector.file = path
+        try:
+            data = tomllib.loads(_read_config(path))
         except FileNotFoundError:
             collector.problems.append(Problem(where, "config file does not exist", str(path)))
             return {}

@@ -341,3 +341,36 @@ def test_settings_are_a_frozen_snapshot(monkeypatch: pytest.MonkeyPatch) -> None
         s.sanitize = False  # type: ignore[misc]
     monkeypatch.setenv("GUARDRAILS_SANITIZE", "false")
     assert s.sanitize is True
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "/dev/null"])
+def test_config_path_that_is_not_a_regular_file_is_an_error(path: str) -> None:
+    with pytest.raises(gr.ConfigError, match="not a regular file"):
+        gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": path})
+
+
+def test_fifo_config_path_fails_instead_of_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(gr.ConfigError, match="not a regular file"):
+        gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(fifo)})
+
+
+def test_oversized_config_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "huge.toml"
+    path.write_text("# padding\n" * 200_000)
+    with pytest.raises(gr.ConfigError, match="larger than"):
+        gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(path)})
+
+
+def test_config_file_behind_a_symlink_is_read(tmp_path: Path) -> None:
+    real = tmp_path / "real.toml"
+    real.write_text("sanitize = false\n")
+    link = tmp_path / "link.toml"
+    link.symlink_to(real)
+    assert gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(link)}).sanitize is False
+
+
+def test_config_path_with_an_unknown_user_is_an_error() -> None:
+    with pytest.raises(gr.ConfigError, match="GUARDRAILS_CONFIG_FILE"):
+        gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": "~no-such-user-guardrails/g.toml"})
