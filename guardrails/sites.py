@@ -302,7 +302,7 @@ class LogitsSite(_SiteBase):
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         # The hot path: a few attribute reads around one kernel call (B=1 decode pays every
-        # one of them), so the per-call bookkeeping is inlined here rather than factored out.
+        # one of them).
         try:
             spec = self._specs.get(logits.dtype)
         except AttributeError:
@@ -318,9 +318,7 @@ class LogitsSite(_SiteBase):
                     flags = self._guard(logits, spec, state)
             else:
                 flags = self._guard(logits, spec, state)
-            calls = self._calls = self._calls + 1
-            if calls % self._every == 0 or calls == 1:
-                self._report(logits, state, due=calls % self._every == 0)
+            self._count_call(logits, state)
             return flags
 
     def _guard(self, logits: torch.Tensor, spec: HealSpec, state: _DeviceState) -> torch.Tensor:
