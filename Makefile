@@ -32,7 +32,7 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest
 
 docs: $(STAMP)
-	$(BIN)/python -m guardrails.reference --write
+	$(BIN)/python -m guardrails.settings.docs --write
 
 bench: $(STAMP)
 	$(BIN)/guardrails bench

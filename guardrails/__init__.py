@@ -10,12 +10,12 @@ environment read. Those happen when a `Guardrails` is built.
 
 from __future__ import annotations
 
-from guardrails.attach import GuardedFunction, Handle
+from guardrails.attach.handles import GuardedFunction, Handle
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind, RowFlag
 from guardrails.logs import configure_json_logs
-from guardrails.registry import Guardrails, default, sanitize_logits_
-from guardrails.settings import AttachSettings, GuardSettings, SiteSettings
+from guardrails.service import Guardrails, default, sanitize_logits_
+from guardrails.settings.models import AttachSettings, GuardSettings, SiteSettings
 from guardrails.sites import DisabledSite, LogitsSite, TokenSite
 
 __all__ = [

@@ -1,3 +1,3 @@
-from guardrails.cli import main
+from guardrails.cli.main import main
 
 raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""Opt-in JSON log lines for hosts that have not configured structlog.
+"""Opt-in JSON log lines for hosts that have not configured structlog, and a logger that
+drops every event (benchmarks, fuzz tests).
 
 guardrails logs through `structlog.get_logger("guardrails")` and never configures logging on
 its own. `configure_json_logs()` is the one exception, and only on request
@@ -12,11 +13,12 @@ object per line, and does nothing when the host has already configured structlog
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import structlog
 
-__all__ = ["configure_json_logs"]
+__all__ = ["SilentLogger", "configure_json_logs"]
 
 
 def configure_json_logs(file: TextIO | None = None, *, force: bool = False) -> bool:
@@ -40,3 +42,14 @@ def configure_json_logs(file: TextIO | None = None, *, force: bool = False) -> b
         cache_logger_on_first_use=False,
     )
     return True
+
+
+class SilentLogger:
+    """A logger for `Guardrails(logger=...)` that drops every event; counting is unaffected."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return _drop
+
+
+def _drop(*args: Any, **kwargs: Any) -> None:
+    return None

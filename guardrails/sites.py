@@ -12,91 +12,31 @@ the same device (like a CUDA graph's static output): clone them to keep them lon
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
 from guardrails.flags import LOGITS_SLOTS, TOKEN_SLOTS, CountKind, RowFlag
-from guardrails.kernels import HealSpec, LogitsKernel, posinf_replacement, select_logits_kernel
-from guardrails.kernels.reference import guard_token_ids_
+from guardrails.kernels.base import HealSpec, LogitsKernel
+from guardrails.kernels.select import select_logits_kernel
+from guardrails.kernels.token_ids import guard_token_ids_
+from guardrails.kernels.values import posinf_replacement
+from guardrails.names import validate_site_name
+from guardrails.reporting.mirror import DeviceCounts
 
 if TYPE_CHECKING:
-    from guardrails.reporting import Reporter
+    from guardrails.reporting.reporter import Reporter
     from guardrails.settings import SiteSettings
 
-__all__ = ["DisabledSite", "LogitsSite", "Site", "TokenSite", "validate_site_name"]
+__all__ = ["DisabledSite", "LogitsSite", "Site", "TokenSite"]
 
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,99}")
 _DEFAULT_CAPACITY: Final = 256
 _MAX_CACHED_VIEWS: Final = 64
 _ASSERTED: Final = int(RowFlag.NAN | RowFlag.POSINF | RowFlag.NO_VALID_TOKEN)
 # Not uint16/32/64: torch has no comparison kernels for them ("lt_cpu" not implemented), so
 # they get a TypeError naming these instead of an error from inside the guard.
 _INTEGER_DTYPES: Final = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def validate_site_name(name: object) -> str:
-    """Site names become metric labels: short, printable, no spaces."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(
-            f"invalid site name {name!r}: use 1-100 characters from letters, digits and "
-            "'_.:-', such as 'sampler.logits'"
-        )
-    return name
-
-
-class DeviceCounts:
-    """One site's counters on one device, and their host mirror.
-
-    The device buffer is only ever added to. `request()` starts a non-blocking copy into a
-    host buffer (pinned on CUDA, so the copy is truly asynchronous) and records an event;
-    `latest()` returns the newest completed copy without waiting. On the CPU the buffer *is*
-    host memory, so `latest()` reads it directly.
-    """
-
-    __slots__ = ("_event", "_last", "_mirror", "_pending", "counts", "device")
-
-    def __init__(self, device: torch.device, slots: int) -> None:
-        self.device = device
-        self._last = [0] * slots
-        self._pending = False
-        with torch.inference_mode(False):
-            self.counts = torch.zeros(slots, dtype=torch.int64, device=device)
-            if device.type == "cuda":
-                # Pinned: a non-blocking copy into pageable memory would be synchronous.
-                # (torch.cuda.Event is untyped in torch's stubs, hence the ignores below.)
-                self._mirror = torch.zeros(slots, dtype=torch.int64, pin_memory=True)
-                self._event: torch.cuda.Event | None = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            else:
-                self._mirror = self.counts
-                self._event = None
-
-    def request(self) -> None:
-        """Start a copy of the device counts to the host unless one is in flight."""
-        if self._event is None or self._pending:
-            return
-        if torch.cuda.is_current_stream_capturing():
-            return  # a copy recorded into a graph would replay forever; count on replay only
-        self._mirror.copy_(self.counts, non_blocking=True)
-        self._event.record()
-        self._pending = True
-
-    def latest(self) -> list[int]:
-        """The newest host copy; never waits for the device."""
-        if self._event is None:
-            return [int(v) for v in self.counts.tolist()]
-        if self._pending and self._event.query():  # type: ignore[no-untyped-call]
-            self._pending = False
-            self._last = [int(v) for v in self._mirror.tolist()]
-        return self._last
-
-    def exact(self) -> list[int]:
-        """The current totals, waiting for the device (tests, `counts()`, shutdown)."""
-        values = [int(v) for v in self.counts.tolist()]
-        self._last = values
-        return values
 
 
 class _DeviceState:
@@ -142,6 +82,8 @@ class _SiteBase:
     kind: str
     slots: tuple[CountKind, ...]
     enabled = True
+    counts_neginf = False  # whether -inf is counted (logits sites that are told to)
+    vocab_size: int | None = None  # token-id sites
 
     def __init__(
         self,
@@ -269,6 +211,7 @@ class LogitsSite(_SiteBase):
         capacity: int | None = None,
     ) -> None:
         self.config = config
+        self.counts_neginf = config.count_neginf
         self._specs: dict[torch.dtype, HealSpec] = {}
         for dtype_name in config.dtypes:
             dtype = getattr(torch, dtype_name)
@@ -335,16 +278,9 @@ class LogitsSite(_SiteBase):
         flags = state.views.get(rows)
         if flags is None:
             flags = state.flags_view(rows, kernel, self.name)
-        if vocab == 0:
-            # No entry to sample from: each row is flagged and counted, nothing to write.
-            flags.fill_(int(RowFlag.NO_VALID_TOKEN))
-            state.counts.counts[LOGITS_SLOTS.index(CountKind.ROWS_NO_VALID_TOKEN)] += rows
-            # Written outside the kernel: one that re-zeroes only the flags it knows it left
-            # (the CPU kernel's `extent`) would otherwise return these from its next clean call.
-            workspace = state.workspace
-            if workspace is not None and hasattr(workspace, "extent"):
-                workspace.extent = max(workspace.extent, rows)
-        elif rows:
+        if rows:
+            # An empty vocabulary too: every kernel flags and counts such rows (no entry to
+            # sample from) and writes nothing.
             kernel(logits, flags, state.counts.counts, spec, state.workspace)
         if self._assert_msg is not None:
             torch._assert_async(flags.bitwise_and(_ASSERTED).eq(0).all(), self._assert_msg)
@@ -368,6 +304,7 @@ class TokenSite(_SiteBase):
 
     kind = "token_ids"
     slots = TOKEN_SLOTS
+    vocab_size: int
 
     def __init__(
         self,

@@ -15,10 +15,11 @@ from typing import Any, Literal
 
 import torch
 
-from guardrails.registry import Guardrails, _reset_default
+from guardrails.logs import SilentLogger
+from guardrails.service import Guardrails, _reset_default
 from guardrails.settings import GuardSettings
 
-__all__ = ["fresh_guardrails", "inject_", "reset_default"]
+__all__ = ["SilentLogger", "fresh_guardrails", "inject_", "reset_default"]
 
 _VALUES = {"nan": math.nan, "posinf": math.inf, "neginf": -math.inf}
 

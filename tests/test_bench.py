@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from guardrails import bench
-from guardrails.cli import main
+from guardrails.cli.bench import measure as bench
+from guardrails.cli.main import main
 
 METHODS = {"guard", "sglang", "nan_to_num", "amax", "sum", "floor"}
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from guardrails.cli import main
+from guardrails.cli.main import main
 
 PROFILES = Path(__file__).resolve().parent.parent / "config" / "profiles"
 LP = "transformers.generation.logits_process"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from guardrails.cli import main
+from guardrails.cli.main import main
 from guardrails.settings import GuardSettings
 
 ROOT = Path(__file__).resolve().parent.parent

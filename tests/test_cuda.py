@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from guardrails.flags import LOGITS_SLOTS, CountKind, RowFlag
-from guardrails.kernels import HealSpec, posinf_replacement
+from guardrails.kernels.base import HealSpec
 from guardrails.kernels.reference import guard_logits_reference_
+from guardrails.kernels.values import posinf_replacement
 from guardrails.testing import fresh_guardrails
 
 pytestmark = pytest.mark.cuda

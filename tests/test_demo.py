@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from guardrails.demo import DemoConfig, run_demo
+from guardrails.cli.demo.loop import DemoConfig, run_demo
 from guardrails.testing import fresh_guardrails
 
 SMALL = {"requests": 10, "concurrency": 4, "max_new_tokens": 8, "vocab": 2048, "d_model": 32}

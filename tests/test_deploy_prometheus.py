@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from guardrails.metrics import METRIC_LABELS
+from guardrails.reporting.metrics import METRIC_LABELS
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "guardrails.rules.yml"

@@ -441,7 +441,8 @@ def test_launched_host_handles_its_own_import_error_and_stays_guarded(
 def test_check_reports_a_failing_target_import_as_not_importable_here(broken_engine: str) -> None:
     # `guardrails check` imports targets. A module whose own import fails used to be
     # reported as "module ... not found; wrong version?" when a dependency was missing.
-    from guardrails.integrations.patching import AttachPoint, inspect_point
+    from guardrails.attach.patching import inspect_point
+    from guardrails.attach.points import AttachPoint
 
     point = AttachPoint.from_arguments(
         site="sampler.logits", target=f"{broken_engine}:Sampler.forward", tensor="arg:0"

@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from guardrails import Guardrails, RowFlag
-from guardrails.kernels import posinf_replacement
+from guardrails.kernels.values import posinf_replacement
 from guardrails.testing import fresh_guardrails
 
 F = TypeVar("F", bound=Callable[..., Any])

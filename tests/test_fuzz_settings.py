@@ -27,9 +27,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from guardrails import ConfigError, Guardrails, GuardSettings
-from guardrails import _toml as toml
-from guardrails.metrics import resolve_rank
-from guardrails.settings import ENV_VARS, KNOWN_SITES, MetricsSettings, SiteSettings
+from guardrails.reporting.metrics import resolve_rank
+from guardrails.settings import ENV_VARS, KNOWN_SITES, MetricsSettings, SiteSettings, toml
 from guardrails.sites import DisabledSite
 from guardrails.testing import fresh_guardrails
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from guardrails.integrations.patching import AttachError
-from guardrails.registry import Guardrails
+from guardrails.attach.points import AttachError
+from guardrails.service import Guardrails
 from guardrails.testing import fresh_guardrails
 
 ENGINE = '''

@@ -10,9 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from guardrails.flags import LOGITS_SLOTS
-from guardrails.kernels import HealSpec, posinf_replacement
+from guardrails.kernels.base import HealSpec
 from guardrails.kernels.cpu import CPU_KERNEL, CpuLogitsKernel, chunk_plan
 from guardrails.kernels.reference import REFERENCE_KERNEL
+from guardrails.kernels.values import posinf_replacement
 from tests.strategies import INT_VIEW, Case, logits_cases
 
 # Default chunks, and tiny ones so that small tensors span many chunks and a tail.

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from guardrails import RowFlag
-from guardrails.kernels import posinf_replacement
+from guardrails.kernels.values import posinf_replacement
 from guardrails.testing import fresh_guardrails
 from tests.strategies import INT_VIEW, Case, logits_cases
 

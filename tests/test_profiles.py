@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from guardrails import GuardSettings
-from guardrails.integrations.patching import AttachPoint, inspect_point
-from guardrails.integrations.targets import parse_target
+from guardrails.attach.patching import inspect_point
+from guardrails.attach.points import AttachPoint
+from guardrails.settings.targets import parse_target
 
 PROFILES = Path(__file__).resolve().parent.parent / "config" / "profiles"
 ALL = sorted(PROFILES.glob("*.toml"))

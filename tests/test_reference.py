@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from guardrails.reference import README_BEGIN, README_END, env_table, settings_reference
 from guardrails.settings import (
     AttachSettings,
     GuardSettings,
@@ -15,6 +14,7 @@ from guardrails.settings import (
     ReportingSettings,
     SiteSettings,
 )
+from guardrails.settings.docs import README_BEGIN, README_END, env_table, settings_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 STALE = "stale: run `make docs` (python -m guardrails.reference --write) and commit the result"

@@ -495,7 +495,7 @@ def test_counters_stay_exact_while_logging_fails(registry: CollectorRegistry) ->
 def test_metrics_fault_is_contained_and_the_counter_catches_up(
     make: Callable[..., gr.Guardrails], registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from guardrails.metrics import guard_metrics
+    from guardrails.reporting.metrics import guard_metrics
 
     guards = make()
     site = guards.site(LOGITS)

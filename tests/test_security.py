@@ -38,9 +38,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from guardrails import ConfigError, Guardrails, GuardSettings
-from guardrails import _toml as toml
 from guardrails.integrations.launcher import prepare
-from guardrails.integrations.targets import Target, parse_target
+from guardrails.settings import toml
+from guardrails.settings.targets import Target, parse_target
 from guardrails.testing import fresh_guardrails
 
 ROOT = Path(__file__).resolve().parent.parent

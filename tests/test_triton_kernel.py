@@ -26,8 +26,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from guardrails.flags import LOGITS_SLOTS, RowFlag
-from guardrails.kernels import HealSpec, posinf_replacement
+from guardrails.kernels.base import HealSpec
 from guardrails.kernels.reference import guard_logits_reference_
+from guardrails.kernels.values import posinf_replacement
 from tests.strategies import DTYPES, INT_VIEW, Case, logits_cases
 
 pytest.importorskip("triton")

@@ -1,11 +1,11 @@
-"""Attaching guardrails to code you do not own.
+"""Integrations with the code that hosts guardrails.
 
-- `guardrails.integrations.transformers`: `GuardLogitsProcessor`, a transformers
-  `LogitsProcessor` (imports transformers; nothing else here does).
-- `guardrails.integrations.patching`: config-declared attach points, `[[attach]]` entries that
-  wrap `package.module:Class.method` when its module is imported; removable handles.
-- `guardrails.integrations.launcher`: what `guardrails run -- COMMAND` installs in every Python
-  process it starts.
+- `transformers`: `GuardLogitsProcessor`, a transformers `LogitsProcessor` (imports
+  transformers; nothing else here does).
+- `launcher`: what `guardrails run -- COMMAND` installs in every Python process it starts
+  (`_bootstrap/` holds its `sitecustomize`).
+- Engine adapters (SGLang, vLLM) belong here too.
 
-Importing this package imports none of them.
+May import everything below it (service, sites, settings, attach); nothing imports it but the
+CLI. Importing this package imports none of its modules.
 """

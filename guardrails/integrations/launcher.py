@@ -25,7 +25,7 @@ from guardrails.exceptions import ConfigError
 from guardrails.settings import GuardSettings
 
 if TYPE_CHECKING:
-    from guardrails.registry import Guardrails
+    from guardrails.service import Guardrails
 
 __all__ = ["BOOTSTRAP_DIR", "EXIT_CONFIG", "bootstrap", "installed", "launch", "prepare"]
 
@@ -70,12 +70,11 @@ def bootstrap() -> Guardrails:
     global _installed
     if _installed is not None:
         return _installed
-    from guardrails.integrations.patching import apply_configured
-    from guardrails.registry import default
+    from guardrails.service import default
 
     try:
         guards = default()
-        apply_configured(guards, on_error=_die)
+        guards.attach_configured(on_error=_die)
     except Exception as exc:  # a ConfigError, or anything else that leaves it unguarded
         _die(exc)
     atexit.register(guards.close)

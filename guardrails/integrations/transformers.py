@@ -24,10 +24,10 @@ import torch
 from transformers import LogitsProcessor
 
 from guardrails.flags import RowFlag
-from guardrails.registry import default
+from guardrails.service import default
 
 if TYPE_CHECKING:
-    from guardrails.registry import Guardrails
+    from guardrails.service import Guardrails
 
 __all__ = ["GuardLogitsProcessor"]
 

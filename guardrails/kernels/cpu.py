@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from guardrails.flags import RowFlag
-from guardrails.kernels import HealSpec, stored_value
+from guardrails.kernels.base import HealSpec, as_rows
 from guardrails.kernels.reference import guard_logits_reference_
+from guardrails.kernels.values import stored_value
 
 __all__ = ["CPU_KERNEL", "CpuLogitsKernel", "chunk_sums", "guard_logits_cpu_"]
 
@@ -115,8 +116,9 @@ class _Workspace:
 def _small_and_clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool | None:
     """The clean check of a small float32/bfloat16 batch: one plain sum. True: clean (flags
     settled); False: not finite; None: not a small batch (the chunked check applies)."""
-    if x.dtype is torch.float16 or x.numel() >= _CHUNKED_CHECK_MIN:
-        return None
+    values = x.numel()
+    if x.dtype is torch.float16 or values >= _CHUNKED_CHECK_MIN or not values:
+        return None  # not values: an empty vocabulary, whose rows have no valid token
     if not math.isfinite(x.sum().item()):
         return False
     if ws.extent:
@@ -336,16 +338,13 @@ class CpuLogitsKernel:
         small = _small_and_clean(x, flags, ws)
         if small:
             return
-        if x.dim() != 2:
-            try:
-                x = x.view(-1, x.shape[-1])
-            except RuntimeError:
-                # Leading dims that cannot be flattened without a copy (a copy would lose the
-                # in-place heal): the reference handles any strides.
-                ws.extent = max(ws.extent, flags.numel())
-                guard_logits_reference_(x, flags, counts, spec)
-                return
-        guard_logits_cpu_(x, flags, counts, spec, ws, small)
+        rows = as_rows(x)
+        if rows is None or rows.shape[1] == 0:
+            # The reference writes every flag; `extent` says they may now be non-zero.
+            ws.extent = max(ws.extent, flags.numel())
+            guard_logits_reference_(x, flags, counts, spec)
+            return
+        guard_logits_cpu_(rows, flags, counts, spec, ws, small)
 
 
 CPU_KERNEL = CpuLogitsKernel()

@@ -1,8 +1,9 @@
-"""The reference implementation: plain torch, branch-free, any device, any strides.
+"""The reference logits kernel: plain torch, branch-free, any device, any strides.
 
 Each step is a whole-tensor op with no host round trip, so on CUDA it never synchronises and
-can be captured in a graph; it simply makes several passes. It defines the numeric contract
-that the fast kernels are tested against.
+can be captured in a graph; it simply makes several passes. It serves where no fast kernel
+does (CUDA without Triton, layouts the fast kernels cannot view, an empty vocabulary) and
+the fast kernels' fallbacks; the tests hold all of them to an oracle of their own.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import Any
 import torch
 
 from guardrails.flags import RowFlag
-from guardrails.kernels import HealSpec
+from guardrails.kernels.base import HealSpec
 
-__all__ = ["REFERENCE_KERNEL", "guard_logits_reference_", "guard_token_ids_"]
+__all__ = ["REFERENCE_KERNEL", "guard_logits_reference_"]
 
 _U8 = torch.uint8
 
@@ -62,28 +63,3 @@ class _ReferenceKernel:
 
 
 REFERENCE_KERNEL = _ReferenceKernel()
-
-
-def guard_token_ids_(
-    ids: torch.Tensor,
-    flags: torch.Tensor,
-    counts: torch.Tensor,
-    vocab_size: int,
-    replacement_id: int,
-    sanitize: bool,
-) -> None:
-    """Flag, count and (if `sanitize`) replace ids outside [0, vocab_size), in place.
-
-    Rows: one per id for 0-d and 1-d ids, one per `[..., k]` slice otherwise.
-    Token-id tensors are a few bytes per row, so one branch-free pass is always cheap.
-    """
-    # Compared against the largest valid id, clamped to what the dtype holds: torch casts a
-    # Python int to the tensor's dtype, so `ids >= 128` on int8 ids wrapped to `ids >= -128`
-    # and flagged (and replaced) every valid id whenever vocab_size exceeded the dtype.
-    high = min(vocab_size - 1, torch.iinfo(ids.dtype).max)
-    oob = (ids < 0) | (ids > high)
-    row = oob.any(-1) if ids.dim() >= 2 else oob
-    flags.copy_(row.reshape(-1).to(_U8) * int(RowFlag.OOB_TOKEN))
-    counts.add_(torch.stack([oob.sum(), row.sum()]))
-    if sanitize:
-        ids.masked_fill_(oob, replacement_id)

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from guardrails.kernels import HealSpec, stored_value
+from guardrails.kernels.base import HealSpec, as_rows
 from guardrails.kernels.reference import guard_logits_reference_
+from guardrails.kernels.values import stored_value
 
 __all__ = ["LaunchPlan", "TritonLogitsKernel", "TritonWorkspace", "build", "kernel"]
 
@@ -147,14 +148,11 @@ class TritonLogitsKernel:
     def __call__(
         self, x: torch.Tensor, flags: torch.Tensor, counts: torch.Tensor, spec: HealSpec, ws: Any
     ) -> None:
-        if x.dim() != 2:
-            try:
-                x = x.view(-1, x.shape[-1])
-            except RuntimeError:
-                # Leading dims that cannot be flattened without a copy (a copy would lose the
-                # in-place heal): the reference handles any strides.
-                guard_logits_reference_(x, flags, counts, spec)
-                return
+        view = as_rows(x)
+        if view is None or view.shape[1] == 0:
+            guard_logits_reference_(x, flags, counts, spec)
+            return
+        x = view
         rows, vocab = x.shape
         stride_row, stride_col = x.stride()
         if x.dtype not in _KERNEL_DTYPES or (vocab - 1) * stride_col > _INT32_MAX:

@@ -12,20 +12,21 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
-from guardrails.attach import GuardedFunction, Handle, attach_module
+from guardrails.attach.handles import GuardedFunction, Handle, attach_module
+from guardrails.attach.patching import PatchHandle
+from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.flags import CountKind
-from guardrails.reporting import Reporter
+from guardrails.names import validate_site_name
+from guardrails.reporting.reporter import Reporter
 from guardrails.settings import GuardSettings
-from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite, validate_site_name
+from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from guardrails.integrations.patching import PatchHandle
 
 __all__ = ["Guardrails", "default", "sanitize_logits_"]
 
@@ -51,6 +52,10 @@ class Guardrails:
         self._sites: dict[str, Site] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Import-path patches made through this instance, by point: applied, pending or
+        # disabled (removed ones leave). Re-entrant: removing a handle forgets it under it.
+        self._patches: dict[tuple[str, str, str, str], PatchHandle] = {}
+        self._patches_lock = threading.RLock()
         self._reporter = Reporter(self.settings, registry=registry, clock=clock, logger=logger)
 
     @classmethod
@@ -178,9 +183,10 @@ class Guardrails:
         vocab_size_from: str | None = None,
     ) -> PatchHandle:
         """Guard a value of `target` ("package.module:Class.method") at `site`, now or when
-        its module is imported; idempotent. See `guardrails.integrations.patching`."""
-        from guardrails.integrations.patching import AttachPoint, patch
+        its module is imported; idempotent. See `guardrails.attach.patching`.
 
+        Raises `AttachError` when the module is already imported and the target does not
+        fit; a pending point raises from the import statement that loads its module."""
         point = AttachPoint.from_arguments(
             site=site,
             target=target,
@@ -189,19 +195,44 @@ class Guardrails:
             vocab_size=vocab_size,
             vocab_size_from=vocab_size_from,
         )
-        return patch(self, point)
+        return self._patch(point)
 
-    def attach_configured(self) -> list[PatchHandle]:
-        """Apply the `[[attach]]` entries of the settings (what `guardrails run` does)."""
-        from guardrails.integrations.patching import apply_configured
+    def attach_configured(
+        self, *, on_error: Callable[[AttachError], NoReturn] | None = None
+    ) -> list[PatchHandle]:
+        """Apply the `[[attach]]` entries of the settings (what `guardrails run` does).
 
-        return apply_configured(self)
+        `on_error` is called with the error of a point that does not fit its target, before
+        it is raised (the launcher exits there)."""
+        handles = []
+        for index, entry in enumerate(self.settings.attach):
+            origin = self.settings.origin("attach", index, "target")
+            point = AttachPoint.from_settings(entry, origin)
+            handles.append(self._patch(point, on_error=on_error))
+        return handles
 
     def patches(self) -> list[PatchHandle]:
         """Import-path patches made through this instance: applied, pending or disabled."""
-        from guardrails.integrations.patching import patches
+        with self._patches_lock:
+            return list(self._patches.values())
 
-        return patches(self)
+    def _patch(
+        self, point: AttachPoint, *, on_error: Callable[[AttachError], NoReturn] | None = None
+    ) -> PatchHandle:
+        with self._patches_lock:
+            existing = self._patches.get(point.key)
+            if existing is not None and existing.state != "removed":
+                return existing
+            handle = PatchHandle(point, self, on_error, on_remove=self._forget_patch)
+            self._patches[point.key] = handle
+        # Fires at once when the module is already imported, else right after it is.
+        handle.install()
+        return handle
+
+    def _forget_patch(self, handle: PatchHandle) -> None:
+        with self._patches_lock:
+            if self._patches.get(handle.point.key) is handle:
+                del self._patches[handle.point.key]
 
     # -- reporting ------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The `guardrails` command (also `python -m guardrails`).
 
-Each subcommand lives in `guardrails.commands.<name>` and exposes `register(subparsers)`,
+Each subcommand lives in `guardrails.cli.<name>` and exposes `register(subparsers)`,
 which adds its parser and sets `func(args) -> int` as the default. Modules are imported only
 when the command line is parsed, so `import guardrails` stays free of CLI dependencies.
 """
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f"guardrails.commands.{name}").register(sub)
+        importlib.import_module(f"guardrails.cli.{name}").register(sub)
     return parser
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from guardrails.flags import RowFlag
 
 if TYPE_CHECKING:
-    from guardrails.registry import Guardrails
+    from guardrails.service import Guardrails
 
 __all__ = ["DemoConfig", "DemoResult", "TinyDecoder", "run_demo"]
 

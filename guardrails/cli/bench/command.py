@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from guardrails import bench
+    from guardrails.cli.bench import measure as bench
 
     device = args.device
     if device == "auto":

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from guardrails.flags import CountKind
-from guardrails.kernels import select_logits_kernel
+from guardrails.kernels.select import select_logits_kernel
 
 __all__ = ["BenchConfig", "check_targets", "format_table", "run", "summary", "write_json"]
 
@@ -86,25 +86,15 @@ class CaseResult:
     guard_healed: int = 0
 
 
-class _QuietLogger:
-    """The guard's log events would flood the benchmark's output; counting is unaffected."""
-
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return _ignore
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure everything `config` asks for; returns the JSON-able result."""
-    from guardrails.testing import fresh_guardrails
+    from guardrails.testing import SilentLogger, fresh_guardrails
 
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
-    guards = fresh_guardrails(logger=_QuietLogger())
+    # The guard's log events would flood the benchmark's output; counting is unaffected.
+    guards = fresh_guardrails(logger=SilentLogger())
     site = guards.site("bench.logits", device=device, capacity=max(config.batches))
     timer = _CudaTimer(device) if device.type == "cuda" else _CpuTimer()
     cases: list[CaseResult] = []

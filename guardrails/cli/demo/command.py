@@ -65,7 +65,7 @@ def _configure_console_logs() -> None:
 
 def run(args: argparse.Namespace) -> int:
     import guardrails as gr
-    from guardrails.demo import DemoConfig, progress_bar, run_demo
+    from guardrails.cli.demo.loop import DemoConfig, progress_bar, run_demo
 
     config = DemoConfig(
         requests=args.requests,

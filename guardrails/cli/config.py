@@ -16,7 +16,8 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from guardrails import _toml as toml
+from guardrails.settings import toml
+from guardrails.settings.schema import plain
 
 if TYPE_CHECKING:
     from guardrails.settings import GuardSettings
@@ -91,15 +92,7 @@ def _key(path: tuple[str | int, ...]) -> str:
 
 
 def _plain(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "(inherit)"
-    if isinstance(value, tuple | list):
-        return ",".join(_plain(v) for v in value)
-    if isinstance(value, float) and math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return str(value)
+    return plain(value, unset="(inherit)", empty="", sep=",", number="")
 
 
 def _table(settings: GuardSettings) -> str:
@@ -112,7 +105,7 @@ def _table(settings: GuardSettings) -> str:
 
 
 def _env(settings: GuardSettings) -> str:
-    from guardrails.settings import ENV_VARS
+    from guardrails.settings.sources import ENV_VARS
 
     by_path = {var.path: var.name for var in ENV_VARS.values()}
     lines = []

@@ -37,8 +37,9 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from guardrails.attach.patching import inspect_point
+    from guardrails.attach.points import AttachPoint
     from guardrails.integrations.launcher import prepare
-    from guardrails.integrations.patching import AttachPoint, inspect_point
 
     _, settings = prepare(os.environ, config_file=args.config)  # ConfigError: exit 2
     print("guardrails check")

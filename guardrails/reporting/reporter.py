@@ -33,27 +33,53 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import structlog
 
-from guardrails import metrics
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind
 from guardrails.logs import configure_json_logs
+from guardrails.names import (
+    LOGGER_NAME,
+    NO_VALID_TOKEN_EVENT,
+    NONFINITE_EVENT,
+    OOB_EVENT,
+    REPORTING_ERROR_EVENT,
+)
+from guardrails.reporting import exposition, metrics
 
 if TYPE_CHECKING:
-    from guardrails.metrics import GuardMetrics
+    import torch
+
+    from guardrails.reporting.metrics import GuardMetrics
+    from guardrails.reporting.mirror import DeviceCounts
     from guardrails.settings import GuardSettings
-    from guardrails.sites import DeviceCounts, _SiteBase
 
-__all__ = ["EVENT_NAMES", "Reporter"]
+__all__ = ["ReportedSite", "Reporter"]
 
-NONFINITE_EVENT: Final = "guardrails.nonfinite_logits"
-NO_VALID_TOKEN_EVENT: Final = "guardrails.no_valid_token"
-OOB_EVENT: Final = "guardrails.oob_token_ids"
-ERROR_EVENT: Final = "guardrails.reporting_error"
-EVENT_NAMES: Final = (NONFINITE_EVENT, NO_VALID_TOKEN_EVENT, OOB_EVENT, ERROR_EVENT)
+
+class ReportedSite(Protocol):
+    """What the reporter reads of a site: its identity, its count layout and call count,
+    and what the last call looked like (for log events)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def slots(self) -> tuple[CountKind, ...]: ...
+    @property
+    def calls(self) -> int: ...
+    @property
+    def counts_neginf(self) -> bool: ...
+    @property
+    def vocab_size(self) -> int | None: ...
+    @property
+    def last_dtype(self) -> torch.dtype | None: ...
+    @property
+    def last_shape(self) -> tuple[int, ...]: ...
+
 
 # The counts whose increase is news worth a log event (row counts follow from them).
 _NEWS: Final = frozenset(
@@ -87,7 +113,7 @@ class _SiteReport:
         "unlogged",
     )
 
-    def __init__(self, site: _SiteBase) -> None:
+    def __init__(self, site: ReportedSite) -> None:
         n = len(site.slots)
         self.site = site
         self.children: list[Any] = [None] * n
@@ -123,7 +149,7 @@ class Reporter:
         self._settings = settings
         self._interval = settings.reporting.log_interval_s
         self._clock = clock
-        self._logger = structlog.get_logger("guardrails") if logger is None else logger
+        self._logger = structlog.get_logger(LOGGER_NAME) if logger is None else logger
         self._lock = threading.Lock()
         self._sites: dict[int, _SiteReport] = {}
         # Imports prometheus_client, first here: never at `import guardrails`, because it fixes
@@ -142,12 +168,12 @@ class Reporter:
 
     def _serve(self, registry: Any, addr: str, port: int) -> None:
         try:
-            metrics.serve(addr, port, registry, owner=self)
+            exposition.serve(addr, port, registry, owner=self)
         except OSError as exc:
             # In multiprocess mode every worker inherits the same port, and one server shows
             # every process's files: a worker whose sibling already serves that port is
             # served by it. Anything else holding the port is still an error.
-            if metrics.sibling_serves(port):
+            if exposition.sibling_serves(port):
                 self._logger.info(
                     "guardrails.metrics_served_elsewhere",
                     addr=addr,
@@ -171,7 +197,7 @@ class Reporter:
 
     # -- called by the sites --------------------------------------------------------------
 
-    def register(self, site: _SiteBase) -> None:
+    def register(self, site: ReportedSite) -> None:
         """A site was created: its series exist at 0 from now on."""
         with self._lock:
             report = self._report_for(site)
@@ -181,7 +207,7 @@ class Reporter:
                 report.children[i] = self._child_for(kind, site, rank, family)
             report.calls_child = self._series(family.guard_calls, site=site.name, rank=rank)
 
-    def track(self, site: _SiteBase, counts: DeviceCounts) -> None:
+    def track(self, site: ReportedSite, counts: DeviceCounts) -> None:
         """A site got buffers on a new device."""
         with self._lock:
             report = self._report_for(site)
@@ -193,36 +219,17 @@ class Reporter:
 
         Never waits: if another thread is reporting, that thread picks these counts up.
         """
-        if self._closed or not self._lock.acquire(blocking=False):
-            return
-        try:
-            self._report(exact=False)
-        except Exception as exc:
-            self._fault("poll", exc)
-        finally:
-            self._lock.release()
+        self._report_locked(exact=False, wait=False)
 
     # -- public ---------------------------------------------------------------------------
 
     def poll(self) -> None:
         """Report what the host mirrors hold now; never waits for a device."""
-        if self._closed:
-            return
-        with self._lock:
-            try:
-                self._report(exact=False)
-            except Exception as exc:
-                self._fault("poll", exc)
+        self._report_locked(exact=False)
 
     def flush(self) -> None:
         """Report exact totals (waits for the devices), and log what the throttle held back."""
-        if self._closed:
-            return
-        with self._lock:
-            try:
-                self._report(exact=True)
-            except Exception as exc:
-                self._fault("poll", exc)
+        self._report_locked(exact=True)
 
     def close(self) -> None:
         """Flush, stop reporting and release the metrics server. Idempotent."""
@@ -230,11 +237,21 @@ class Reporter:
         self._closed = True
         _live_reporters().discard(self)
         if self._settings.metrics.port:
-            metrics.release_server(self)
+            exposition.release_server(self)
 
     # -- internals (hold self._lock) ------------------------------------------------------
 
-    def _report_for(self, site: _SiteBase) -> _SiteReport:
+    def _report_locked(self, *, exact: bool, wait: bool = True) -> None:
+        if self._closed or not self._lock.acquire(blocking=wait):
+            return
+        try:
+            self._report(exact=exact)
+        except Exception as exc:
+            self._fault("poll", exc)
+        finally:
+            self._lock.release()
+
+    def _report_for(self, site: ReportedSite) -> _SiteReport:
         report = self._sites.get(id(site))
         if report is None:
             report = self._sites[id(site)] = _SiteReport(site)
@@ -251,14 +268,14 @@ class Reporter:
                 )
         return self._rank
 
-    def _child_for(self, kind: CountKind, site: _SiteBase, rank: str, family: GuardMetrics) -> Any:
+    def _child_for(
+        self, kind: CountKind, site: ReportedSite, rank: str, family: GuardMetrics
+    ) -> Any:
         series = metrics.SLOT_SERIES.get(kind)
         if series is None:
             return None
         attr, label = series
-        if kind is CountKind.NEGINF and not getattr(
-            getattr(site, "config", None), "count_neginf", False
-        ):
+        if kind is CountKind.NEGINF and not site.counts_neginf:
             return _Lazy(family.nonfinite_values, site=site.name, kind=label, rank=rank)
         if attr == "nonfinite_values":
             return self._series(family.nonfinite_values, site=site.name, kind=label, rank=rank)
@@ -350,7 +367,7 @@ class Reporter:
             fields[f"{kind}_total"] = report.totals[i]
         if site.kind == "token_ids":
             event, rows, level = OOB_EVENT, deltas[CountKind.ROWS_OOB_TOKEN], "error"
-            fields["vocab_size"] = getattr(site, "vocab_size", None)
+            fields["vocab_size"] = site.vocab_size
         elif deltas.get(CountKind.ROWS_NO_VALID_TOKEN, 0) > 0:
             event, rows, level = (
                 NO_VALID_TOKEN_EVENT,
@@ -382,7 +399,10 @@ class Reporter:
         # The logger may be what failed; the counter above already records it.
         with contextlib.suppress(Exception):
             self._logger.error(
-                ERROR_EVENT, stage=stage, error=f"{type(exc).__name__}: {exc}", rank=self._rank
+                REPORTING_ERROR_EVENT,
+                stage=stage,
+                error=f"{type(exc).__name__}: {exc}",
+                rank=self._rank,
             )
 
     def _after_fork_in_child(self) -> None:

@@ -1,0 +1,314 @@
+"""Import-path patching: guard a value of `package.module:Class.method` at a named site.
+
+    handle = guards.patch("pkg.sampler:Sampler.forward", "sampler.token_ids",
+                          tensor="return.sampled_token_ids", kind="token_ids",
+                          vocab_size_from="arg:logits")
+    handle.state        # "applied", "pending" (module not imported yet), "disabled", "removed"
+    handle.remove()     # puts the original attribute back
+
+Contract:
+- A point is applied at once when its module is imported, otherwise by a post-import hook
+  (wrapt) the moment it is. Applying the same point twice on one `Guardrails` wraps once and
+  returns the same handle; a module that is never imported leaves the handle pending.
+- A target that does not resolve, is not callable, or has no such argument raises
+  `AttachError` (a `ConfigError`) naming the target and, for `[[attach]]` entries, the config
+  key, when the point is applied. Launched processes turn that into a loud exit instead.
+- Nothing is evaluated: targets and references are parsed by `guardrails.settings.targets`
+  and resolved with `getattr` only (`guardrails.attach.resolve`).
+- The handles belong to the `Guardrails` that made them (`guards.patches()`).
+- `arg:` values are guarded before the call (the callee sees healed logits), `return` values
+  after it. Argument positions are found once, at patch time; a call costs a tuple index or
+  a dict lookup, attribute reads, and the site call. A disabled site is not wrapped at all.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, NoReturn, Protocol
+
+from guardrails.attach.handles import Handle, SiteCall
+from guardrails.attach.points import AttachError, AttachPoint
+from guardrails.attach.resolve import Resolved, namespace, reader, resolve, vocab_of
+
+__all__ = [
+    "PatchHandle",
+    "PatchOwner",
+    "TargetReport",
+    "inspect_point",
+]
+
+State = Literal["pending", "applied", "disabled", "failed", "removed"]
+Guard = Callable[[Any], Any]
+
+_MARKER = "__guardrails_patch__"
+
+
+class PatchOwner(Protocol):
+    """What a patch needs of the `Guardrails` that owns it."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def is_enabled(self, name: str) -> bool: ...
+
+    def site(self, name: str) -> SiteCall: ...
+
+    def token_site(self, name: str, *, vocab_size: int) -> SiteCall: ...
+
+
+def _off(value: Any) -> None:
+    return None
+
+
+class PatchHandle(Handle):
+    """One attach point on one `Guardrails`: pending until its module is imported, then
+    applied (or disabled by settings). `.remove()` restores the original attribute."""
+
+    def __init__(
+        self,
+        point: AttachPoint,
+        guards: PatchOwner,
+        on_error: Callable[[AttachError], NoReturn] | None,
+        on_remove: Callable[[PatchHandle], None] | None = None,
+    ) -> None:
+        super().__init__(self._undo, str(point))
+        self.point = point
+        self.error: AttachError | None = None
+        self._guards = guards
+        self._on_error = on_error
+        self._on_remove = on_remove
+        self._state: State = "pending"
+        self._lock = threading.Lock()
+        # [guard]: swapped for `_off` when the original cannot be put back (see _undo).
+        self._guard: list[Guard | None] = [None]
+        self._installed: tuple[Resolved, Any] | None = None
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def guards(self) -> PatchOwner:
+        return self._guards
+
+    def install(self) -> None:
+        """Apply now if the target's module is imported, else right after it is."""
+        import wrapt  # late: only processes that patch pay for the import hook machinery
+
+        wrapt.register_post_import_hook(self._on_import, self.point.target.module)
+
+    def _on_import(self, module: Any) -> None:
+        """wrapt post-import hook; also called at once for an imported module."""
+        try:
+            self._apply(module)
+        except AttachError as exc:
+            self._state = "failed"
+            self.error = exc
+            if self._on_error is not None:
+                self._on_error(exc)
+            raise
+
+    def _apply(self, module: Any) -> None:
+        with self._lock:
+            if self._state != "pending":
+                return
+            if self._guards.closed:
+                self._state = "removed"  # its module came after its Guardrails was closed
+                return
+            point = self.point
+            resolved = resolve(point, module)
+            read = reader(point, point.tensor, resolved)
+            read_vocab = None
+            if point.vocab_size_from is not None:
+                if point.vocab_size_from.source == "return" and point.tensor.source == "arg":
+                    raise point.error(
+                        f"vocab_size_from = {str(point.vocab_size_from)!r} is read after the "
+                        f"call but tensor = {str(point.tensor)!r} is guarded before it"
+                    )
+                read_vocab = reader(point, point.vocab_size_from, resolved)
+            if not self._guards.is_enabled(point.site):
+                self._state = "disabled"  # nothing wrapped: a disabled site costs nothing
+                return
+            _refuse_foreign(point, resolved, self._guards)
+            if point.kind == "logits":
+                self._guard[0] = self._guards.site(point.site)
+            elif point.vocab_size is not None:
+                self._guard[0] = self._guards.token_site(point.site, vocab_size=point.vocab_size)
+            wrapper = _wrapper(self, resolved.func, read, read_vocab, point.tensor.source)
+            setattr(wrapper, _MARKER, self)
+            installed: Any = wrapper
+            if isinstance(resolved.raw, staticmethod):
+                installed = staticmethod(wrapper)
+            elif isinstance(resolved.raw, classmethod):
+                installed = classmethod(wrapper)
+            setattr(resolved.owner, resolved.name, installed)
+            self._installed = (resolved, installed)
+            self._state = "applied"
+
+    def _token_guard(self, value: Any) -> Guard:
+        """The token-id site, sized from the first call's `vocab_size_from` value."""
+        try:
+            vocab = vocab_of(value)
+        except TypeError as exc:
+            raise self.point.error(
+                f"vocab_size_from = {self.point.vocab_size_from}: {exc}"
+            ) from None
+        site = self._guards.token_site(self.point.site, vocab_size=vocab)
+        current = self._guard[0]
+        if current is None:
+            self._guard[0] = site
+            return site
+        return current  # another thread got there first, or the handle was removed
+
+    def _fail(self, exc: Exception) -> NoReturn:
+        error = (
+            exc
+            if isinstance(exc, AttachError)
+            else self.point.error(f"{self.point.tensor}: {type(exc).__name__}: {exc}")
+        )
+        self.error = error
+        if self._on_error is not None:
+            self._on_error(error)
+        raise error from (None if exc is error else exc)
+
+    def _undo(self) -> None:
+        with self._lock:
+            if self._installed is not None:
+                resolved, installed = self._installed
+                current = namespace(resolved.owner).get(resolved.name)
+                if current is installed:
+                    if resolved.own:
+                        setattr(resolved.owner, resolved.name, resolved.raw)
+                    else:
+                        delattr(resolved.owner, resolved.name)
+                else:
+                    # Someone wrapped our wrapper: putting the original back would drop
+                    # theirs, so ours stays in the chain and stops guarding.
+                    self._guard[0] = _off
+                self._installed = None
+            self._state = "removed"
+        if self._on_remove is not None:
+            self._on_remove(self)
+
+    def __repr__(self) -> str:
+        return f"<PatchHandle {self.point} {self._state}>"
+
+
+def _wrapper(
+    handle: PatchHandle,
+    func: Callable[..., Any],
+    read: Callable[[tuple[Any, ...], dict[str, Any], Any], Any],
+    read_vocab: Callable[[tuple[Any, ...], dict[str, Any], Any], Any] | None,
+    when: Literal["arg", "return"],
+) -> Callable[..., Any]:
+    slot = handle._guard
+
+    def guard(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        try:
+            value = read(args, kwargs, result)
+            if value is None:
+                return
+            site = slot[0]
+            if site is None and read_vocab is not None:
+                site = handle._token_guard(read_vocab(args, kwargs, result))
+            if site is None:
+                raise RuntimeError(f"guardrails: {handle.point} has no site")  # unreachable
+            site(value)
+        except AttachError as exc:
+            handle._fail(exc)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+            # The configured reference does not fit what the target passes or returns.
+            handle._fail(exc)
+
+    if when == "arg":
+
+        @functools.wraps(func)
+        def guard_before(*args: Any, **kwargs: Any) -> Any:
+            guard(args, kwargs, None)
+            return func(*args, **kwargs)
+
+        return guard_before
+
+    @functools.wraps(func)
+    def guard_after(*args: Any, **kwargs: Any) -> Any:
+        result = func(*args, **kwargs)
+        guard(args, kwargs, result)
+        return result
+
+    return guard_after
+
+
+def _refuse_foreign(point: AttachPoint, resolved: Resolved, guards: PatchOwner) -> None:
+    """The same point applied by another live `Guardrails` would count every call twice."""
+    func: Any = resolved.func
+    while func is not None:
+        other = getattr(func, _MARKER, None)
+        if (
+            isinstance(other, PatchHandle)
+            and other.point.key == point.key
+            and other.state == "applied"
+            and other.guards is not guards
+        ):
+            raise point.error(
+                f"is already guarded at {point.site!r} by another Guardrails instance; remove "
+                "that handle first"
+            )
+        func = getattr(func, "__wrapped__", None)
+
+
+# -- checking without patching (guardrails check) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class TargetReport:
+    """What `inspect_point` found: ok, not importable in this environment, or an error."""
+
+    point: AttachPoint
+    status: Literal["ok", "not_importable", "error"]
+    message: str = ""
+
+
+def inspect_point(point: AttachPoint) -> TargetReport:
+    """Import the target's module and check the target the way applying it would, without
+    patching anything."""
+    try:
+        module = importlib.import_module(point.target.module)
+    except ModuleNotFoundError as exc:
+        top = point.target.module.partition(".")[0]
+        missing = exc.name or ""
+        parts = point.target.module.split(".")
+        if missing and missing not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+            # The target module exists but something it imports does not: not "module not
+            # found", which would send the user looking for a typo in the target.
+            return TargetReport(
+                point, "not_importable", f"importing {point.target.module} failed: {exc!r}"
+            )
+        if missing == top or not _importable(top):
+            return TargetReport(point, "not_importable", f"{top} is not installed here")
+        return TargetReport(
+            point, "error", f"module {point.target.module} not found ({exc}); wrong version?"
+        )
+    except Exception as exc:  # importing someone else's package can fail in any way
+        return TargetReport(
+            point, "not_importable", f"importing {point.target.module} failed: {exc!r}"
+        )
+    try:
+        resolved = resolve(point, module)
+        reader(point, point.tensor, resolved)
+        if point.vocab_size_from is not None:
+            reader(point, point.vocab_size_from, resolved)
+    except AttachError as exc:
+        return TargetReport(point, "error", "; ".join(p.message for p in exc.problems))
+    return TargetReport(point, "ok")
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

@@ -1,0 +1,74 @@
+"""`AttachPoint`: one parsed attach point (site, target, tensor reference, kind), and the
+`AttachError` raised when it does not fit the code it names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from guardrails.exceptions import ConfigError, Problem
+from guardrails.settings import AttachSettings
+from guardrails.settings.targets import Ref, Target, parse_ref, parse_target
+
+__all__ = ["AttachError", "AttachPoint"]
+
+
+class AttachError(ConfigError):
+    """An attach point that cannot be applied: the message names the target."""
+
+
+@dataclass(frozen=True)
+class AttachPoint:
+    """One parsed attach point; `origin` names where it was declared (for messages)."""
+
+    site: str
+    target: Target
+    tensor: Ref
+    kind: Literal["logits", "token_ids"] = "logits"
+    vocab_size: int | None = None
+    vocab_size_from: Ref | None = None
+    origin: str = "attach target"
+
+    @classmethod
+    def from_settings(cls, entry: AttachSettings, origin: str = "attach target") -> AttachPoint:
+        return cls(
+            site=entry.site,
+            target=parse_target(entry.target),
+            tensor=parse_ref(entry.tensor),
+            kind=entry.kind,
+            vocab_size=entry.vocab_size,
+            vocab_size_from=None
+            if entry.vocab_size_from is None
+            else parse_ref(entry.vocab_size_from),
+            origin=origin,
+        )
+
+    @classmethod
+    def from_arguments(cls, **values: Any) -> AttachPoint:
+        """Validate keyword arguments the way a `[[attach]]` entry is validated."""
+        try:
+            entry = AttachSettings(**values)
+        except ValidationError as exc:
+            raise ConfigError(
+                Problem(
+                    "argument " + ".".join(str(p) for p in err["loc"])
+                    if err["loc"]
+                    else "argument",
+                    err["msg"],
+                    err.get("input") if isinstance(err.get("input"), str | int) else None,
+                )
+                for err in exc.errors(include_url=False)
+            ) from None
+        return cls.from_settings(entry)
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return (str(self.target), self.site, str(self.tensor), self.kind)
+
+    def error(self, message: str) -> AttachError:
+        return AttachError([Problem(self.origin, message, str(self.target))])
+
+    def __str__(self) -> str:
+        return f"{self.site} <- {self.target} [{self.tensor}]"

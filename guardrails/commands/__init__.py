@@ -1,1 +1,0 @@
-"""Subcommands of the `guardrails` command, one module each (see `guardrails.cli`)."""

@@ -1,0 +1,40 @@
+"""The token-id guard: out-of-vocab ids flagged, counted and replaced in place.
+
+Token-id tensors are a few bytes per row, so one branch-free pass of whole-tensor ops is
+always cheap, on every device, and never synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from guardrails.flags import RowFlag
+
+__all__ = ["guard_token_ids_"]
+
+_U8 = torch.uint8
+
+
+def guard_token_ids_(
+    ids: torch.Tensor,
+    flags: torch.Tensor,
+    counts: torch.Tensor,
+    vocab_size: int,
+    replacement_id: int,
+    sanitize: bool,
+) -> None:
+    """Flag, count and (if `sanitize`) replace ids outside [0, vocab_size), in place.
+
+    Rows: one per id for 0-d and 1-d ids, one per `[..., k]` slice otherwise.
+    Token-id tensors are a few bytes per row, so one branch-free pass is always cheap.
+    """
+    # Compared against the largest valid id, clamped to what the dtype holds: torch casts a
+    # Python int to the tensor's dtype, so `ids >= 128` on int8 ids wrapped to `ids >= -128`
+    # and flagged (and replaced) every valid id whenever vocab_size exceeded the dtype.
+    high = min(vocab_size - 1, torch.iinfo(ids.dtype).max)
+    oob = (ids < 0) | (ids > high)
+    row = oob.any(-1) if ids.dim() >= 2 else oob
+    flags.copy_(row.reshape(-1).to(_U8) * int(RowFlag.OOB_TOKEN))
+    counts.add_(torch.stack([oob.sum(), row.sum()]))
+    if sanitize:
+        ids.masked_fill_(oob, replacement_id)

@@ -1,0 +1,52 @@
+"""Names every part of guardrails shares: site names, the well-known sites, log event names.
+
+Site names become metric label values and config-file keys, so they are checked in one
+place. This module imports nothing from guardrails (nor torch): everything may import it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Final
+
+__all__ = [
+    "EVENT_NAMES",
+    "KNOWN_SITES",
+    "LOGGER_NAME",
+    "NONFINITE_EVENT",
+    "NO_VALID_TOKEN_EVENT",
+    "OOB_EVENT",
+    "REPORTING_ERROR_EVENT",
+    "validate_site_name",
+]
+
+_SITE_NAME: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,99}")
+
+# Well-known sampling sites. An enable list may name these, any site declared in the config
+# file (a `[sites."name"]` table, possibly empty) and glob patterns matching either.
+KNOWN_SITES: Final[Mapping[str, str]] = {
+    "model.logits": "raw LM-head output, before any mask (a place to count -inf)",
+    "sampler.logits": "logits entering the sampler, after masks, before temperature",
+    "sampler.token_ids": "token ids returned by the sampler",
+    "eagle.draft": "draft-model logits in speculative decoding",
+    "eagle.verify": "target-model logits sampled at speculative verification",
+    "eagle.token_ids": "token ids accepted at speculative verification",
+}
+
+LOGGER_NAME: Final = "guardrails"
+NONFINITE_EVENT: Final = "guardrails.nonfinite_logits"
+NO_VALID_TOKEN_EVENT: Final = "guardrails.no_valid_token"
+OOB_EVENT: Final = "guardrails.oob_token_ids"
+REPORTING_ERROR_EVENT: Final = "guardrails.reporting_error"
+EVENT_NAMES: Final = (NONFINITE_EVENT, NO_VALID_TOKEN_EVENT, OOB_EVENT, REPORTING_ERROR_EVENT)
+
+
+def validate_site_name(name: object) -> str:
+    """Site names become metric labels: short, printable, no spaces."""
+    if not isinstance(name, str) or not _SITE_NAME.fullmatch(name):
+        raise ValueError(
+            f"invalid site name {name!r}: use 1-100 characters from letters, digits and "
+            "'_.:-', such as 'sampler.logits'"
+        )
+    return name

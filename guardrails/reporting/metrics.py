@@ -1,0 +1,154 @@
+"""Prometheus counters of the guarded sites.
+
+Contract (metric names and labels are fixed; see the design brief):
+
+    guardrails_nonfinite_values_total{site, kind, rank}    kind: nan, posinf, neginf
+    guardrails_flagged_rows_total{site, reason, rank}      reason: nonfinite, no_valid_token,
+                                                                   oob_token
+    guardrails_guard_calls_total{site, rank}
+    guardrails_reporting_errors_total{stage, rank}         stage: poll, metrics, logs
+
+Plain `Counter`s incremented only by deltas, never a custom collector, so they work unchanged
+in prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`), where each process
+writes its own file and the host's `MultiProcessCollector` sums them. `prometheus_client` is
+imported here only inside functions: its multiprocess mode is fixed when it is first imported,
+which must be the host's choice, not a side effect of `import guardrails`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from guardrails.flags import CountKind
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry, Counter
+
+__all__ = [
+    "ERROR_STAGES",
+    "METRIC_LABELS",
+    "METRIC_NAMES",
+    "SLOT_SERIES",
+    "GuardMetrics",
+    "guard_metrics",
+    "resolve_rank",
+]
+
+# Where each count of a site's buffer goes: (family, label value). Out-of-vocab ids are
+# counted per row in metrics; the number of ids only appears in log events.
+SLOT_SERIES: Final[Mapping[CountKind, tuple[str, str]]] = {
+    CountKind.NAN: ("nonfinite_values", "nan"),
+    CountKind.POSINF: ("nonfinite_values", "posinf"),
+    CountKind.NEGINF: ("nonfinite_values", "neginf"),
+    CountKind.ROWS_NONFINITE: ("flagged_rows", "nonfinite"),
+    CountKind.ROWS_NO_VALID_TOKEN: ("flagged_rows", "no_valid_token"),
+    CountKind.ROWS_OOB_TOKEN: ("flagged_rows", "oob_token"),
+}
+ERROR_STAGES: Final = ("poll", "metrics", "logs")
+
+# (attribute, name without `_total`, help, labels)
+_FAMILIES: Final = (
+    (
+        "nonfinite_values",
+        "guardrails_nonfinite_values",
+        "Non-finite logits values found at a guarded site (nan, posinf; neginf where counted).",
+        ("site", "kind", "rank"),
+    ),
+    (
+        "flagged_rows",
+        "guardrails_flagged_rows",
+        "Rows flagged at a guarded site: nonfinite values, no valid token, out-of-vocab ids.",
+        ("site", "reason", "rank"),
+    ),
+    (
+        "guard_calls",
+        "guardrails_guard_calls",
+        "Calls of a guarded site.",
+        ("site", "rank"),
+    ),
+    (
+        "reporting_errors",
+        "guardrails_reporting_errors",
+        "Exceptions contained while reading counts, writing metrics or logging.",
+        ("stage", "rank"),
+    ),
+)
+METRIC_NAMES: Final = tuple(f"{name}_total" for _attr, name, _help, _labels in _FAMILIES)
+# Exported name -> label names: what dashboards and alert rules may select on.
+METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
+    f"{name}_total": labels for _attr, name, _help, labels in _FAMILIES
+}
+
+
+@dataclass(frozen=True)
+class GuardMetrics:
+    """The four counter families of one registry, shared by every `Guardrails` using it."""
+
+    nonfinite_values: Counter
+    flagged_rows: Counter
+    guard_calls: Counter
+    reporting_errors: Counter
+
+
+# The families made for a registry are kept on the registry object itself (an attribute of
+# ours, not prometheus-client's), so that a reloaded or second copy of this module finds them
+# instead of registering the same names again.
+_FAMILIES_ATTR: Final = "_guardrails_metric_families"
+_LOCK = threading.Lock()
+
+
+def guard_metrics(registry: CollectorRegistry | None = None) -> GuardMetrics:
+    """The counters registered in `registry` (default: the global one), made on first use.
+
+    Asking again for the same registry returns the same counters, so any number of
+    `Guardrails` instances share them without a duplicate-metric error.
+    """
+    from prometheus_client import REGISTRY
+
+    target = REGISTRY if registry is None else registry
+    with _LOCK:
+        found: GuardMetrics | None = getattr(target, _FAMILIES_ATTR, None)
+        if found is None:
+            found = GuardMetrics(
+                **{
+                    attr: _counter(target, name, text, labels)
+                    for attr, name, text, labels in _FAMILIES
+                }
+            )
+            setattr(target, _FAMILIES_ATTR, found)
+        return found
+
+
+def _counter(registry: CollectorRegistry, name: str, text: str, labels: tuple[str, ...]) -> Counter:
+    from prometheus_client import Counter
+
+    try:
+        return Counter(name, text, labels, registry=registry)
+    except ValueError:
+        raise ValueError(
+            f"the registry already holds a metric named {name}_total that guardrails did not "
+            f"register; guardrails needs that name for a Counter with labels {list(labels)}"
+        ) from None
+
+
+def resolve_rank(environ: Mapping[str, str] | None = None) -> str:
+    """The `rank` label: torch.distributed's rank when initialised, else RANK, else
+    LOCAL_RANK, else 0. Malformed variables are skipped: they belong to the launcher."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return str(dist.get_rank())
+    except (ImportError, RuntimeError, ValueError):
+        pass  # a half-initialised process group: fall back to the launcher's variables
+    env = os.environ if environ is None else environ
+    for key in ("RANK", "LOCAL_RANK"):
+        raw = env.get(key, "").strip()
+        # ASCII only: str.isdigit() also accepts digits int() refuses, such as "²".
+        if raw.isascii() and raw.isdigit():
+            return str(int(raw))
+    return "0"

@@ -1,0 +1,65 @@
+"""Device counts and their host mirror: how counts leave the device without a sync.
+
+A site accumulates its counts into an int64 buffer on the tensor's device. `request()` starts
+a non-blocking copy of that buffer into host memory (pinned on CUDA, so the copy is truly
+asynchronous) and records an event; `latest()` returns the newest completed copy and never
+waits. On the CPU the buffer is host memory already and is read directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DeviceCounts"]
+
+
+class DeviceCounts:
+    """One site's counters on one device, and their host mirror.
+
+    The device buffer is only ever added to. `request()` starts a non-blocking copy into a
+    host buffer (pinned on CUDA, so the copy is truly asynchronous) and records an event;
+    `latest()` returns the newest completed copy without waiting. On the CPU the buffer *is*
+    host memory, so `latest()` reads it directly.
+    """
+
+    __slots__ = ("_event", "_last", "_mirror", "_pending", "counts", "device")
+
+    def __init__(self, device: torch.device, slots: int) -> None:
+        self.device = device
+        self._last = [0] * slots
+        self._pending = False
+        with torch.inference_mode(False):
+            self.counts = torch.zeros(slots, dtype=torch.int64, device=device)
+            if device.type == "cuda":
+                # Pinned: a non-blocking copy into pageable memory would be synchronous.
+                # (torch.cuda.Event is untyped in torch's stubs, hence the ignores below.)
+                self._mirror = torch.zeros(slots, dtype=torch.int64, pin_memory=True)
+                self._event: torch.cuda.Event | None = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            else:
+                self._mirror = self.counts
+                self._event = None
+
+    def request(self) -> None:
+        """Start a copy of the device counts to the host unless one is in flight."""
+        if self._event is None or self._pending:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return  # a copy recorded into a graph would replay forever; count on replay only
+        self._mirror.copy_(self.counts, non_blocking=True)
+        self._event.record()
+        self._pending = True
+
+    def latest(self) -> list[int]:
+        """The newest host copy; never waits for the device."""
+        if self._event is None:
+            return [int(v) for v in self.counts.tolist()]
+        if self._pending and self._event.query():  # type: ignore[no-untyped-call]
+            self._pending = False
+            self._last = [int(v) for v in self._mirror.tolist()]
+        return self._last
+
+    def exact(self) -> list[int]:
+        """The current totals, waiting for the device (tests, `counts()`, shutdown)."""
+        values = [int(v) for v in self.counts.tolist()]
+        self._last = values
+        return values
