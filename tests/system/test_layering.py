@@ -1,0 +1,174 @@
+"""The package's layering: no import cycle, lazy and TYPE_CHECKING imports included, and every
+module importable on its own in a fresh interpreter.
+
+The graph is read from the source (every `import` statement anywhere in a module, inside
+functions and `if TYPE_CHECKING:` blocks too), so a cycle held together by a late import is
+still a cycle here. Parent packages are not edges: importing `guardrails.kernels.cpu` runs
+`guardrails/kernels/__init__.py`, but what that file imports is its own edge.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "guardrails"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {
+    _module_name(path): path
+    for path in sorted(PACKAGE.rglob("*.py"))
+    # Run by site.py under `guardrails run`, never imported as part of the package.
+    if path.name != "sitecustomize.py"
+}
+
+
+def _target(name: str) -> str | None:
+    """The package module `name` refers to (the longest known prefix), or None."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imports(module: str) -> set[str]:
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import sub` imports the submodule `pkg.sub` where there is one, and
+            # reads a name of `pkg` itself otherwise.
+            names = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+                for alias in node.names
+            ]
+        for name in names:
+            target = _target(name)
+            if target is not None and target != module:
+                found.add(target)
+    return found
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def _cycle() -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(GRAPH):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_graph_sees_the_package() -> None:
+    # Guards the test itself: a graph with no edges would have no cycle either.
+    assert len(MODULES) > 40
+    assert "guardrails.sites" in GRAPH["guardrails.service"]
+    assert "guardrails.reporting.mirror" in GRAPH["guardrails.sites"]
+
+
+def test_no_import_cycle_lazy_and_type_checking_imports_included() -> None:
+    cycle = _cycle()
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_a_planted_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = {name: set(edges) for name, edges in GRAPH.items()}
+    planted["guardrails.names"].add("guardrails.service")
+    monkeypatch.setattr(sys.modules[__name__], "GRAPH", planted)
+    cycle = _cycle()
+    assert cycle is not None
+    assert cycle[0] == cycle[-1]
+
+
+@pytest.mark.parametrize(
+    "module", ["guardrails.names", "guardrails.flags", "guardrails.exceptions"]
+)
+def test_the_shared_vocabulary_imports_nothing_of_guardrails(module: str) -> None:
+    assert GRAPH[module] == set()
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [
+        ("guardrails.kernels", "guardrails.sites"),
+        ("guardrails.kernels", "guardrails.settings"),
+        ("guardrails.kernels", "guardrails.reporting"),
+        ("guardrails.reporting", "guardrails.sites"),
+        ("guardrails.reporting", "guardrails.service"),
+        ("guardrails.attach", "guardrails.service"),
+        ("guardrails.attach", "guardrails.sites"),
+        ("guardrails.settings", "guardrails.sites"),
+        ("guardrails.settings", "guardrails.service"),
+        ("guardrails.settings", "guardrails.reporting"),
+    ],
+)
+def test_lower_layers_never_import_higher_ones(low: str, high: str) -> None:
+    offenders = sorted(
+        f"{module} -> {target}"
+        for module, targets in GRAPH.items()
+        if module == low or module.startswith(low + ".")
+        for target in targets
+        if target == high or target.startswith(high + ".")
+    )
+    assert offenders == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_each_module_imports_alone_in_a_fresh_interpreter(module: str) -> None:
+    if module == "guardrails.integrations.transformers":
+        pytest.importorskip("transformers")
+    if module == "guardrails.kernels._triton_kernel":
+        pytest.importorskip("triton")
+    # `guardrails.__main__` is `python -m guardrails`: importing it runs the command.
+    argv = (
+        ["-m", "guardrails", "--help"]
+        if module == "guardrails.__main__"
+        else ["-c", f"import {module}"]
+    )
+    result = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
