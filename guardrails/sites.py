@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from guardrails import ops
 from guardrails.flags import LOGITS_SLOTS, TOKEN_SLOTS, CountKind, RowFlag
 from guardrails.kernels.base import HealSpec, LogitsKernel
 from guardrails.kernels.select import select_logits_kernel
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DisabledSite", "LogitsSite", "Site", "TokenSite"]
 
+# torch.compile constant-folds this function to True while tracing (the way sites switch to
+# guardrails.ops); bound once, as the eager hot path calls it on every call.
+_compiling: Final = torch.compiler.is_compiling
 _DEFAULT_CAPACITY: Final = 256
 _MAX_CACHED_VIEWS: Final = 64
 _ASSERTED: Final = int(RowFlag.NAN | RowFlag.POSINF | RowFlag.NO_VALID_TOKEN)
@@ -225,6 +229,7 @@ class LogitsSite(_SiteBase):
                 count_neginf=config.count_neginf,
             )
         self._kernels: dict[torch.device, LogitsKernel] = {}
+        self._op_key = ops.register(self)  # how compiled code reaches this site
         self._assert_msg = (
             f"guardrails: non-finite logits at site {name!r} (NaN, +Inf or a row with no "
             "valid token); GUARDRAILS_ASYNC_ASSERT is on"
@@ -252,6 +257,12 @@ class LogitsSite(_SiteBase):
             spec = None
         if spec is None:
             raise self._type_error(logits)
+        if _compiling():
+            # Traced code keeps the call as one opaque op (see guardrails.ops); the rest of
+            # this method would be specialised on the tensors seen while tracing. The dtype
+            # check above stays in the traced code (a TypeError as in eager code); the op's
+            # fake implementation raises the shape's ValueError while tracing.
+            return torch.ops.guardrails.guard_logits_(logits, self._op_key)  # type: ignore[no-any-return]
         state = self._state
         if state is None or logits.device != state.device:
             state = self._state_for(logits)
@@ -264,14 +275,31 @@ class LogitsSite(_SiteBase):
             self._count_call(logits, state)
             return flags
 
-    def _guard(self, logits: torch.Tensor, spec: HealSpec, state: _DeviceState) -> torch.Tensor:
+    def rows_of(self, logits: torch.Tensor) -> int:
+        """The number of row flags a call on `logits` returns (what compiled code is traced
+        with); raises the call's TypeError or ValueError for a tensor it would refuse."""
+        if self._specs.get(getattr(logits, "dtype", None)) is None:  # type: ignore[arg-type]
+            raise self._type_error(logits)
+        return self._rows(logits)
+
+    def _rows(self, logits: torch.Tensor) -> int:
         try:
             vocab = logits.shape[-1]
         except IndexError:
-            raise ValueError(
-                f"guardrails site {self.name!r}: logits must have a vocab dimension, got a "
-                "0-d tensor"
-            ) from None
+            raise self._zero_dim_error() from None
+        return logits.numel() // vocab if vocab else _leading(logits)
+
+    def _zero_dim_error(self) -> ValueError:
+        return ValueError(
+            f"guardrails site {self.name!r}: logits must have a vocab dimension, got a 0-d tensor"
+        )
+
+    def _guard(self, logits: torch.Tensor, spec: HealSpec, state: _DeviceState) -> torch.Tensor:
+        # `_rows` written out: one Python call less on every guarded call.
+        try:
+            vocab = logits.shape[-1]
+        except IndexError:
+            raise self._zero_dim_error() from None
         rows = logits.numel() // vocab if vocab else _leading(logits)
         kernel = state.kernel
         assert kernel is not None  # a logits site always has one (for mypy)
@@ -326,6 +354,7 @@ class TokenSite(_SiteBase):
             )
         self.config = config
         self.vocab_size = vocab_size
+        self._op_key = ops.register(self)  # how compiled code reaches this site
         self._sanitize = bool(config.sanitize)
         self._assert_msg = (
             f"guardrails: out-of-vocab token id at site {name!r} (vocab_size={vocab_size}); "
@@ -338,6 +367,8 @@ class TokenSite(_SiteBase):
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
         if getattr(token_ids, "dtype", None) not in _INTEGER_DTYPES:
             raise self._type_error(token_ids)
+        if _compiling():
+            return torch.ops.guardrails.guard_token_ids_(token_ids, self._op_key)  # type: ignore[no-any-return]
         state = self._state
         if state is None or token_ids.device != state.device:
             state = self._state_for(token_ids)
@@ -347,8 +378,20 @@ class TokenSite(_SiteBase):
                     return self._guard(token_ids, state)
             return self._guard(token_ids, state)
 
+    def rows_of(self, token_ids: torch.Tensor) -> int:
+        """The number of row flags a call on `token_ids` returns (see LogitsSite.rows_of)."""
+        if getattr(token_ids, "dtype", None) not in _INTEGER_DTYPES:
+            raise self._type_error(token_ids)
+        return self._rows(token_ids)
+
+    @staticmethod
+    def _rows(ids: torch.Tensor) -> int:
+        # One per id for 0-d and 1-d ids, one per [..., k] slice otherwise.
+        dim = ids.dim()
+        return _leading(ids) if dim >= 2 else ids.numel() if dim == 1 else 1
+
     def _guard(self, ids: torch.Tensor, state: _DeviceState) -> torch.Tensor:
-        rows = _leading(ids) if ids.dim() >= 2 else max(ids.numel(), 1 if ids.dim() == 0 else 0)
+        rows = self._rows(ids)
         flags = state.views.get(rows)
         if flags is None:
             flags = state.flags_view(rows, None, self.name)
