@@ -44,7 +44,9 @@ _INTEGER_DTYPES: Final = (torch.int64, torch.int32, torch.int16, torch.int8, tor
 
 
 class _DeviceState:
-    __slots__ = ("capacity", "counts", "device", "flags", "kernel", "views", "workspace")
+    __slots__ = ("capacity", "counts", "device", "flags", "kernel", "retired", "views", "workspace")
+    flags: torch.Tensor
+    workspace: Any
 
     def __init__(
         self, device: torch.device, capacity: int, slots: int, kernel: LogitsKernel | None
@@ -52,17 +54,25 @@ class _DeviceState:
         self.device = device
         self.kernel = kernel  # None at token-id sites
         self.counts = DeviceCounts(device, slots)
+        # Buffers replaced by a growth, kept on CUDA: a graph captured before the growth
+        # still writes into them on every replay (their rows were reserved for it).
+        self.retired: list[tuple[torch.Tensor, Any]] = []
+        self.capacity = 0
         self._allocate(capacity, kernel)
 
     def _allocate(self, capacity: int, kernel: LogitsKernel | None) -> None:
-        self.capacity = capacity
         # Ordinary tensors even when first sized inside inference mode, so that calls made
         # outside it can still update them.
         with torch.inference_mode(False):
-            self.flags = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
+            flags = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
             ws = kernel.workspace(capacity, self.device) if kernel is not None else None
-        self.views: dict[int, torch.Tensor] = {}
+        # Only now that both exist: an allocation that fails leaves the state as it was.
+        if self.capacity and self.device.type == "cuda":
+            self.retired.append((self.flags, self.workspace))
+        self.flags = flags
         self.workspace = ws
+        self.views: dict[int, torch.Tensor] = {}
+        self.capacity = capacity
 
     def flags_view(self, rows: int, kernel: LogitsKernel | None, site: str) -> torch.Tensor:
         if rows > self.capacity:
@@ -124,6 +134,14 @@ class _SiteBase:
             state = self._states.get(device)
             kernel = self._kernel(device)
             if state is None:
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    # Its allocations and zero-fills would be recorded into the graph: the
+                    # counts would be re-zeroed on every replay.
+                    raise RuntimeError(
+                        f"guardrails site {self.name!r} is first used on {device} inside a "
+                        f"CUDA-graph capture; call site.reserve(rows, {str(device)!r}) (or "
+                        "make one call) before capturing"
+                    )
                 state = _DeviceState(device, max(rows, 1), len(self.slots), kernel)
                 self._states[device] = state
                 if self._reporter is not None:

@@ -167,23 +167,22 @@ class TritonLogitsKernel:
                 "size it with workspace(rows, device)"
             )
         nan_value, posinf_value = self._replacements(spec, x.dtype)
-        self._jit[(rows, plan.splits)](
-            x,
-            flags,
-            counts,
-            ws.rowstate,
-            vocab,
-            stride_row,
-            stride_col,
-            plan.chunk,
-            nan_value,
-            posinf_value,
-            BLOCK=plan.block,
-            SANITIZE=spec.sanitize,
-            COUNT_NEGINF=spec.count_neginf,
-            MULTI=plan.splits > 1,
-            num_warps=plan.num_warps,
-        )
+        launch = self._jit[(rows, plan.splits)]
+        args = (x, flags, counts, ws.rowstate, vocab, stride_row, stride_col, plan.chunk)
+        options = {
+            "BLOCK": plan.block,
+            "SANITIZE": spec.sanitize,
+            "COUNT_NEGINF": spec.count_neginf,
+            "MULTI": plan.splits > 1,
+            "num_warps": plan.num_warps,
+        }
+        # (CPU tensors: the tests' TRITON_INTERPRET=1 runs.)
+        if not x.is_cuda or x.device.index == torch.cuda.current_device():
+            launch(*args, nan_value, posinf_value, **options)
+            return
+        # Triton launches on the current device's stream: the tensor's device must be it.
+        with torch.cuda.device(x.device):
+            launch(*args, nan_value, posinf_value, **options)
 
 
 def build(device_code: ModuleType | None = None, **options: Any) -> TritonLogitsKernel:

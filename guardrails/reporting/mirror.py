@@ -45,8 +45,10 @@ class DeviceCounts:
             return
         if torch.cuda.is_current_stream_capturing():
             return  # a copy recorded into a graph would replay forever; count on replay only
-        self._mirror.copy_(self.counts, non_blocking=True)
-        self._event.record()
+        # On the counts' device, whichever device is current in the calling thread.
+        with torch.cuda.device(self.device):
+            self._mirror.copy_(self.counts, non_blocking=True)
+            self._event.record()
         self._pending = True
 
     def latest(self) -> list[int]:
@@ -60,6 +62,9 @@ class DeviceCounts:
 
     def exact(self) -> list[int]:
         """The current totals, waiting for the device (tests, `counts()`, shutdown)."""
+        if self._event is not None:
+            # Every stream of the device: calls on a side stream count too.
+            torch.cuda.synchronize(self.device)
         values = [int(v) for v in self.counts.tolist()]
         self._last = values
         return values

@@ -307,7 +307,13 @@ class Reporter:
             if not exact and calls == report.seen_calls and counts.device.type == "cpu":
                 continue
             try:
-                values = counts.exact() if exact else counts.latest()
+                if exact:
+                    values = counts.exact()
+                else:
+                    values = counts.latest()
+                    # The next copy, for the next look: a site whose work only replays in a
+                    # CUDA graph makes no Python call that would ask for one (no-op on CPU).
+                    counts.request()
             except Exception as exc:
                 self._fault("poll", exc)
                 continue
