@@ -285,3 +285,33 @@ def test_the_op_refuses_a_key_that_names_no_live_site() -> None:
     # A key whose site was dropped: guarding with nothing behind it would be a silent no-op.
     with pytest.raises(RuntimeError, match="no longer exists"):
         ops.guard_logits_(torch.full((2, 8), math.nan), key)
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_on_cuda_replays_the_kernel_with_exact_device_counts() -> None:
+    pytest.importorskip("triton")
+    compiled_guards, eager_guards = _pair(reporting={"every_calls": 1_000_000})
+    site = compiled_guards.site("sampler.logits", device="cuda", capacity=8)
+    eager_site = eager_guards.site("sampler.logits", device="cuda", capacity=8)
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 1.0
+        flags = site(y)
+        return y.softmax(-1), flags
+
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for i in range(12):  # warm-up, recording, then replays of the CUDA graph
+        x = torch.randn(8, 4096, device="cuda")
+        x[i % 8, : i + 1] = math.nan
+        x[(i + 3) % 8, 5] = math.inf
+        probs, flags = compiled(x.clone())
+        expected = x.clone()
+        expected_flags = eager_site(expected).clone()
+        assert torch.equal(flags, expected_flags)
+        assert torch.equal(probs, expected.softmax(-1))
+    torch.cuda.synchronize()
+    compiled_counts = {k: v for k, v in compiled_guards.counts().items() if k[1] != "calls"}
+    eager_counts = {k: v for k, v in eager_guards.counts().items() if k[1] != "calls"}
+    assert compiled_counts == eager_counts
+    # Calls are counted where the op runs in Python: not on graph replays.
+    assert 1 <= compiled_guards.count("sampler.logits", "calls") <= 12
