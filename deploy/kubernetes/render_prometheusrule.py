@@ -3,7 +3,7 @@
 The PrometheusRule's `spec` is the rules file itself, indented under `spec:` line for line
 (comments included), so the object prometheus-operator loads and the file promtool tests can
 never disagree. Run it after editing the rules file; `--check` exits 1 when the rendered file
-is stale (tests/test_deploy_kubernetes.py runs that).
+is stale (tests/deploy/test_kubernetes_objects.py runs that).
 """
 
 from __future__ import annotations

@@ -1,0 +1,79 @@
+"""Attach helpers in code: the `guard_output` decorator and `attach_module` forward hooks,
+their handles, and what they do to the tensors they guard."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import guardrails as gr
+
+
+def test_decorator_guards_the_returned_logits(guards: gr.Guardrails) -> None:
+    @guards.guard_output("sampler.logits")
+    def compute(rows: int) -> torch.Tensor:
+        return torch.full((rows, 4), math.nan)
+
+    assert compute.__name__ == "compute"
+    assert bool((compute(2) == 0).all())
+    compute.remove()
+    assert bool(compute(2).isnan().all())
+
+
+def test_decorated_method_binds_self(guards: gr.Guardrails) -> None:
+    class Head:
+        scale = 2.0
+
+        @guards.guard_output("sampler.logits")
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    out = Head().forward(torch.tensor([[1.0, math.inf]]))
+    assert out.tolist() == [[2.0, pytest.approx(1e30, rel=1e-6)]]
+
+
+def test_decorator_handle_is_a_context_manager(guards: gr.Guardrails) -> None:
+    def compute() -> torch.Tensor:
+        return torch.full((1, 4), math.nan)
+
+    with guards.guard_output("sampler.logits")(compute) as guarded:
+        assert bool((guarded() == 0).all())
+    assert bool(guarded().isnan().all())
+
+
+def test_module_hook_guards_outputs_until_removed(guards: gr.Guardrails) -> None:
+    head = nn.Linear(4, 8)
+    with torch.no_grad():
+        head.bias[3] = math.inf
+    handle = guards.attach_module(head, "model.logits")
+    out = head(torch.zeros(2, 4))
+    assert not bool(torch.isinf(out).any())
+    assert guards.count("model.logits", "posinf") == 2
+    handle.remove()
+    handle.remove()  # idempotent
+    assert bool(torch.isinf(head(torch.zeros(2, 4))).any())
+
+
+def test_module_hook_as_context_manager_and_with_output_objects(guards: gr.Guardrails) -> None:
+    class Model(nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"logits": x.clone(), "other": x}
+
+    model = Model()
+    with guards.attach_module(model, "model.logits"):
+        out = model(torch.full((1, 3), math.nan))
+        assert bool((out["logits"] == 0).all())
+    assert bool(model(torch.full((1, 3), math.nan))["logits"].isnan().all())
+
+
+def test_module_hook_with_select(guards: gr.Guardrails) -> None:
+    class Model(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+            return 0, x.clone()
+
+    model = Model()
+    guards.attach_module(model, "model.logits", select=lambda out: out[1])
+    assert bool((model(torch.full((1, 3), math.nan))[1] == 0).all())

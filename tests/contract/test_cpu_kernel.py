@@ -1,0 +1,115 @@
+"""What is particular to the CPU kernel: its chunked check of large batches, float16 chunk sums,
+-inf masks, flags left by earlier calls, the chunk plan. The random-input contract of every
+kernel is `test_logits_contract.py`; here, the shapes that reach the CPU kernel's own paths
+(a real 151,936 vocabulary, most rows dirty) are held to the oracle."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from guardrails.flags import LOGITS_SLOTS
+from guardrails.kernels.cpu import CPU_KERNEL, CpuLogitsKernel, chunk_plan
+from tests.contract.guards import KernelDriver, Mode
+from tests.contract.strategies import DTYPES
+
+# Default chunks, and tiny ones so that small tensors span many chunks and a tail.
+CPU_KERNELS = {"default": CPU_KERNEL, "chunk7": CpuLogitsKernel(chunk=7)}
+
+
+def _assert_as_the_oracle_says(kernel: CpuLogitsKernel, x: torch.Tensor, mode: Mode) -> None:
+    expected = mode.expected(x)
+    outcome = KernelDriver(kernel, mode)(x)
+    assert torch.equal(outcome.flags, expected.flags)
+    assert outcome.counts == expected.counts
+    assert expected.holds_for(x)
+
+
+def _counts(**nonzero: int) -> dict[str, int]:
+    return {**dict.fromkeys((str(k) for k in LOGITS_SLOTS), 0), **nonzero}
+
+
+@pytest.mark.parametrize("vocab", [1023, 1024, 1536, 151936])
+def test_float16_chunk_sums_of_large_logits_do_not_raise_false_alarms(vocab: int) -> None:
+    # 151936 values of magnitude ~60 overflow a plain float16 sum; the chunked check must
+    # still see a clean batch as clean and find the one NaN.
+    x = (torch.rand(3, vocab) * 20 + 50).to(torch.float16)
+    clean = KernelDriver(CPU_KERNEL, Mode())(x)
+    assert clean.flags.tolist() == [0, 0, 0]
+    assert clean.counts == _counts()
+    x[1, vocab // 2] = math.nan
+    dirty = KernelDriver(CPU_KERNEL, Mode())(x)
+    assert dirty.flags.tolist() == [0, 1, 0]
+    assert dirty.counts == _counts(nan=1, rows_nonfinite=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_batches_use_the_chunked_check_and_do_what_the_oracle_says(
+    dtype: torch.dtype,
+) -> None:
+    # 16 rows of a real vocabulary: past the size where the clean check is one plain sum.
+    x = (torch.randn(16, 151936) * 4 - 3).to(dtype)
+    x[3, [0, 70_000, 151935]] = math.nan
+    x[9, 12_345] = math.inf
+    x[12] = -math.inf
+    x[14, ::7] = -math.inf
+    _assert_as_the_oracle_says(CPU_KERNEL, x, Mode())
+
+
+def test_neginf_masks_in_every_chunk_leave_rows_unflagged() -> None:
+    # Grammar masks put -inf everywhere; without count_neginf they are legitimate.
+    x = torch.randn(3, 151936)
+    x[:, ::5] = -math.inf
+    x[2, 7] = math.nan
+    outcome = KernelDriver(CPU_KERNEL, Mode())(x)
+    assert outcome.flags.tolist() == [0, 0, 1]
+    assert outcome.counts == _counts(nan=1, rows_nonfinite=1)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS.values(), ids=CPU_KERNELS.keys())
+def test_most_rows_dirty_do_what_the_oracle_says(kernel: CpuLogitsKernel) -> None:
+    x = torch.randn(40, 3000)
+    x[::3, 5] = math.nan
+    x[1::3, 2000:] = math.inf
+    x[2::6] = -math.inf
+    _assert_as_the_oracle_says(kernel, x, Mode(count_neginf=True))
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS.values(), ids=CPU_KERNELS.keys())
+def test_flags_left_by_a_dirty_call_are_cleared_by_later_calls(kernel: CpuLogitsKernel) -> None:
+    spec = Mode().spec(torch.float32)
+    ws = kernel.workspace(4, torch.device("cpu"))
+    buffer = torch.zeros(4, dtype=torch.uint8)
+    counts = torch.zeros(len(LOGITS_SLOTS), dtype=torch.int64)
+    dirty = torch.randn(4, 50)
+    dirty[3, 1] = math.inf
+    kernel(dirty, buffer, counts, spec, ws)
+    assert buffer.tolist() == [0, 0, 0, 2]
+    # A shorter clean view, then a longer one: each must read all zeros.
+    kernel(torch.randn(2, 50), buffer[:2], counts, spec, ws)
+    assert buffer[:2].tolist() == [0, 0]
+    kernel(torch.randn(4, 50), buffer, counts, spec, ws)
+    assert buffer.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("vocab", "target", "plan"),
+    [
+        (151936, 16384, (18992, 8)),  # a divisor near the target: no tail
+        (151936, 1024, (1187, 128)),
+        (100, 1000, (100, 1)),  # one chunk covers a small vocabulary
+        (1009, 100, (100, 10)),  # a prime: chunks of the target and a 9-column tail
+    ],
+)
+def test_chunk_plan_prefers_divisors_near_the_target(
+    vocab: int, target: int, plan: tuple[int, int]
+) -> None:
+    assert chunk_plan(vocab, target) == plan
+
+
+@pytest.mark.parametrize("chunk", [0, 40_000])
+def test_kernel_rejects_a_chunk_its_counters_cannot_hold(chunk: int) -> None:
+    with pytest.raises(ValueError, match="chunk must be in"):
+        CpuLogitsKernel(chunk=chunk)
