@@ -6,7 +6,8 @@ buffer `counts` (layout `guardrails.flags.LOGITS_SLOTS`) and, if `spec.sanitize`
 place. No kernel may allocate memory proportional to `x` on its clean path, and the CUDA ones
 may not synchronise with the host.
 
-- `reference`: branch-free torch; the oracle, and the CUDA path when Triton is missing.
+- `reference`: branch-free torch, any layout: the CUDA path when Triton is missing and the
+  fast kernels' fallback (the tests hold every kernel to an oracle of their own).
 - `cpu`: one reduction for a clean batch, exact work only on the chunks it flags.
 - `triton_impl`: one fused launch on CUDA (optional extra `guardrails-logits[triton]`).
 - `token_ids`: the out-of-vocab token-id guard (one branch-free pass, any device).
