@@ -59,6 +59,28 @@ def test_cuda_guarded_calls_never_sync_the_host() -> None:
     guards.close()
 
 
+def test_cuda_first_calls_of_new_sites_and_dirty_growth_never_sync_the_host() -> None:
+    _triton()
+    guards = fresh_guardrails(reporting={"every_calls": 1})
+    warm = guards.site("warm.logits")
+    template = dirty_logits(8, VOCAB, torch.bfloat16)
+    warm(template.clone())  # the Triton variant is compiled/loaded here, outside the check
+    torch.cuda.synchronize()
+    fresh = [guards.site(f"fresh{i}.logits") for i in range(3)]  # no device, no buffers yet
+    work = torch.empty_like(template)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for site in fresh:
+            work.copy_(template)
+            site(work)  # first use on this device: buffers made, counted, a tick reported
+        guards.poll()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for i in range(3):
+        assert guards.count(f"fresh{i}.logits", CountKind.ROWS_NO_VALID_TOKEN) == 3
+    guards.close()
+
+
 def test_cuda_one_guarded_call_launches_exactly_one_kernel() -> None:
     _triton()
     from torch.profiler import ProfilerActivity, profile
