@@ -71,6 +71,33 @@ def _pytest(files: Sequence[str], env: Mapping[str, str], *extra: str) -> tuple[
     return done.returncode, done.stdout + done.stderr
 
 
+def failures(output: str) -> str:
+    """pytest's report of what failed, whole: from the FAILURES (or ERRORS) section to the
+    end, so that a falsifying example is never cut off by the statistics printed after the
+    tests (`--hypothesis-show-statistics` goes before the summary, not inside it)."""
+    lines = output.splitlines()
+    for index, line in enumerate(lines):
+        if re.match(r"=+ (FAILURES|ERRORS) =+$", line):
+            section = lines[index:]
+            # The statistics section comes after the failures: leave it out, keep the summary.
+            stats = next(
+                (
+                    i
+                    for i, text in enumerate(section)
+                    if re.match(r"=+ Hypothesis Statistics", text)
+                ),
+                None,
+            )
+            if stats is not None:
+                summary = next(
+                    (i for i, text in enumerate(section) if "short test summary info" in text),
+                    len(section),
+                )
+                section = section[:stats] + section[max(summary, stats) :]
+            return "\n".join(section)
+    return output
+
+
 def _summary_line(output: str) -> str:
     lines = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed)", line)]
     return lines[-1].strip("= ") if lines else "(no summary)"
@@ -114,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         entry.update(scale=scale, result=_summary_line(output), cases=cases)
         entry["total_cases"] = sum(cases.values())
         if code:
-            failed.append("fuzz, fault or security tests failed:\n" + output[-6000:])
+            failed.append("fuzz, fault or security tests failed:\n" + failures(output))
 
     with _step("soak", report) as entry:
         config = SoakConfig(calls=soak_calls, generations=4 if quick else 10)
