@@ -68,7 +68,7 @@ def chunk_plan(vocab: int, target: int) -> tuple[int, int]:
     if vocab <= target:
         return vocab, 1
     best = 0
-    for size in range(target // 2, min(2 * target, vocab) + 1):
+    for size in range(max(1, target // 2), min(2 * target, vocab) + 1):
         if vocab % size == 0 and (best == 0 or abs(size - target) < abs(best - target)):
             best = size
     if best:

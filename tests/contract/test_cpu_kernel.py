@@ -113,3 +113,14 @@ def test_chunk_plan_prefers_divisors_near_the_target(
 def test_kernel_rejects_a_chunk_its_counters_cannot_hold(chunk: int) -> None:
     with pytest.raises(ValueError, match="chunk must be in"):
         CpuLogitsKernel(chunk=chunk)
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 7, 64])
+def test_a_one_value_chunk_does_what_the_oracle_says(vocab: int) -> None:
+    # chunk=1 is accepted by the constructor; its plan used to divide by zero.
+    assert chunk_plan(vocab, 1) == (1, vocab)
+    x = torch.randn(5, vocab)
+    x[1, 0] = math.nan
+    x[3, vocab - 1] = math.inf
+    x[4] = -math.inf
+    _assert_as_the_oracle_says(CpuLogitsKernel(chunk=1), x, Mode(count_neginf=True))
