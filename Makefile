@@ -7,12 +7,18 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 
 .PHONY: demo test lint typecheck pytest bench docs reliability install clean
 
+# pip's own progress is shown: on a fresh clone the torch download alone takes minutes.
 $(STAMP): pyproject.toml .ci/constraints.txt
+	@echo "==> [1/4] virtual environment in $(VENV)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c .ci/constraints.txt torch numpy
-	$(PIP) install --quiet -c .ci/constraints.txt -e ".[dev,triton,transformers]"
+	@echo "==> [2/4] pip"
+	$(PIP) install --upgrade pip
+	@echo "==> [3/4] torch (CPU build) and numpy: a large download, minutes on a fresh clone"
+	$(PIP) install --progress-bar on -c .ci/constraints.txt torch numpy
+	@echo "==> [4/4] guardrails with its dev, triton and transformers extras"
+	$(PIP) install --progress-bar on -c .ci/constraints.txt -e ".[dev,triton,transformers]"
 	touch $(STAMP)
+	@echo "==> installed; later runs skip this step until pyproject.toml changes"
 
 install: $(STAMP)
 
@@ -35,7 +41,7 @@ docs: $(STAMP)
 	$(BIN)/python -m guardrails.settings.docs --write
 
 bench: $(STAMP)
-	$(BIN)/guardrails bench
+	$(BIN)/guardrails bench --out benchmarks/results
 
 # The long version of the fuzz/soak/fault/security suite (about 8 minutes on 2 cores);
 # `make test` runs the short version. Figures: docs/reliability.md.

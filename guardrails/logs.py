@@ -1,8 +1,14 @@
-"""Opt-in JSON log lines for hosts that have not configured structlog, and a logger that
-drops every event (benchmarks, fuzz tests).
+"""Where guardrails' log events go: the host's logging, never a configuration of its own.
 
-guardrails logs through `structlog.get_logger("guardrails")` and never configures logging on
-its own. `configure_json_logs()` is the one exception, and only on request
+`HostLogger` delivers each event through structlog when the host configured structlog (its
+processors and renderer are the host's choice), and otherwise through the standard library
+logger `guardrails`, which is what vLLM, SGLang and most servers configure: the event name and
+its fields become the message (`guardrails.nonfinite_logits site=sampler.logits nan=3 ...`)
+and attributes of the record (`record.site`, `record.nan`, via `extra`). Nothing is printed
+by guardrails itself: with no handler configured anywhere, the standard library's last resort
+writes warnings and errors to standard error.
+
+`configure_json_logs()` is the one set-up guardrails offers, and only on request
 (`GUARDRAILS_LOG_FORMAT=json`, or a direct call): it sets structlog up to write one JSON
 object per line, and does nothing when the host has already configured structlog.
 
@@ -12,13 +18,18 @@ object per line, and does nothing when the host has already configured structlog
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import sys
-from collections.abc import Callable
-from typing import Any, TextIO
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TextIO
 
 import structlog
 
-__all__ = ["SilentLogger", "configure_json_logs"]
+from guardrails.names import LOGGER_NAME
+
+__all__ = ["HostLogger", "SilentLogger", "configure_json_logs", "render_message"]
 
 
 def configure_json_logs(file: TextIO | None = None, *, force: bool = False) -> bool:
@@ -42,6 +53,61 @@ def configure_json_logs(file: TextIO | None = None, *, force: bool = False) -> b
         cache_logger_on_first_use=False,
     )
     return True
+
+
+_LEVELS: Final = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+# Attributes a LogRecord already has: `extra` may not overwrite them (logging raises).
+_RECORD_ATTRS: Final = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "asctime",
+}
+_BARE: Final = re.compile(r"[\w.:/@+\-]+")
+
+
+class HostLogger:
+    """guardrails' logger: structlog when the host configured it, else stdlib `logging`.
+
+    Chosen per event, not at construction: a host may configure its logging after building
+    guardrails (under `guardrails run`, guardrails starts before the engine's own code). Events
+    are rare (throttled), so the check costs nothing that matters.
+    """
+
+    def __init__(self, name: str = LOGGER_NAME) -> None:
+        self.name = name
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._log("info", event, fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._log("warning", event, fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._log("error", event, fields)
+
+    def _log(self, method: str, event: str, fields: dict[str, Any]) -> None:
+        if structlog.is_configured():
+            getattr(structlog.get_logger(self.name), method)(event, **fields)
+            return
+        logger = logging.getLogger(self.name)
+        level = _LEVELS[method]
+        if logger.isEnabledFor(level):
+            extra = {k: v for k, v in fields.items() if k not in _RECORD_ATTRS}
+            extra["event"] = event
+            logger.log(level, "%s", render_message(event, fields), extra=extra)
+
+
+def render_message(event: str, fields: Mapping[str, Any]) -> str:
+    """`event key=value ...`: strings bare where unambiguous, anything else as JSON."""
+    return " ".join([event, *(f"{key}={_text(value)}" for key, value in fields.items())])
+
+
+def _text(value: object) -> str:
+    if isinstance(value, str) and _BARE.fullmatch(value):
+        return value
+    try:
+        return json.dumps(value, separators=(",", ":"), default=str)
+    except ValueError:  # a circular structure: never from guardrails' own fields
+        return repr(value)
 
 
 class SilentLogger:

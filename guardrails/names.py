@@ -12,12 +12,14 @@ from typing import Final
 
 __all__ = [
     "EVENT_NAMES",
+    "GUARD_ERROR_EVENT",
     "KNOWN_SITES",
     "LOGGER_NAME",
     "NONFINITE_EVENT",
     "NO_VALID_TOKEN_EVENT",
     "OOB_EVENT",
     "REPORTING_ERROR_EVENT",
+    "STARTED_EVENT",
     "validate_site_name",
 ]
 
@@ -39,7 +41,17 @@ NONFINITE_EVENT: Final = "guardrails.nonfinite_logits"
 NO_VALID_TOKEN_EVENT: Final = "guardrails.no_valid_token"
 OOB_EVENT: Final = "guardrails.oob_token_ids"
 REPORTING_ERROR_EVENT: Final = "guardrails.reporting_error"
-EVENT_NAMES: Final = (NONFINITE_EVENT, NO_VALID_TOKEN_EVENT, OOB_EVENT, REPORTING_ERROR_EVENT)
+# A patched target's call whose tensor the site refused: counted, logged once, call unguarded.
+GUARD_ERROR_EVENT: Final = "guardrails.guard_error"
+STARTED_EVENT: Final = "guardrails.started"  # once per Guardrails: what guards, what is off
+EVENT_NAMES: Final = (
+    NONFINITE_EVENT,
+    NO_VALID_TOKEN_EVENT,
+    OOB_EVENT,
+    REPORTING_ERROR_EVENT,
+    GUARD_ERROR_EVENT,
+    STARTED_EVENT,
+)
 
 
 def validate_site_name(name: object) -> str:

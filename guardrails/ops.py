@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["CompiledSite", "guard_logits_", "guard_token_ids_", "register"]
+__all__ = ["CompiledSite", "after_fork_in_child", "guard_logits_", "guard_token_ids_", "register"]
 
 
 class CompiledSite(Protocol):
@@ -58,6 +58,12 @@ def register(site: CompiledSite) -> str:
         key = str(next(_KEYS))
         _SITES[key] = weakref.ref(site, _forget(key))
     return key
+
+
+def after_fork_in_child() -> None:
+    """Re-make the registry's lock in a forked child (another thread may have held it)."""
+    global _LOCK
+    _LOCK = threading.Lock()
 
 
 def _forget(key: str) -> Callable[[weakref.ref[CompiledSite]], None]:

@@ -4,12 +4,20 @@ One instance per engine (or test); `default()` builds a process-wide one lazily 
 environment. Sites are created on first request and cached by name: asking again for the same
 name returns the same object, so engine code may call `guards.site("sampler.logits")` in its
 hot loop or keep the returned site.
+
+Each instance logs `guardrails.started` once, at construction: what guards, what is switched
+off, and warnings worth a look (a `[sites]` section no site uses, a metrics server reachable
+from other hosts, every site off, another distribution owning the import name). An instance
+dropped without `close()` still reports: when it is collected (or at interpreter exit,
+whichever comes first) its reporter flushes exact totals. Only the reporter is kept for that
+(by `weakref.finalize`), and only until then: a dropped instance's sites are not kept alive.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -17,9 +25,11 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import torch
 
 from guardrails.attach.handles import GuardedFunction, Handle, attach_module
-from guardrails.attach.patching import PatchHandle
+from guardrails.attach.patching import GuardErrors, PatchHandle
 from guardrails.attach.points import AttachError, AttachPoint
+from guardrails.distribution import clash_advice, other_owners
 from guardrails.flags import CountKind
+from guardrails.logs import HostLogger
 from guardrails.names import validate_site_name
 from guardrails.reporting.reporter import Reporter
 from guardrails.settings import GuardSettings
@@ -28,7 +38,7 @@ from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["Guardrails", "default", "sanitize_logits_"]
+__all__ = ["Guardrails", "default", "sanitize_logits_", "startup_warnings"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,6 +67,13 @@ class Guardrails:
         self._patches: dict[tuple[str, str, str, str], PatchHandle] = {}
         self._patches_lock = threading.RLock()
         self._reporter = Reporter(self.settings, registry=registry, clock=clock, logger=logger)
+        # Calls that patches leave unguarded (a tensor the site refused), counted and logged
+        # once, through the same registry and the host's logging.
+        self._guard_errors = GuardErrors(registry, HostLogger() if logger is None else logger)
+        # Dropped without close(): flush when collected, or at exit. A bound method of the
+        # reporter, never of self, so that it does not keep this instance alive.
+        self._finalizer = weakref.finalize(self, self._reporter.flush)
+        self._reporter.started(startup_warnings(self.settings))
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Guardrails:
@@ -211,6 +228,11 @@ class Guardrails:
             handles.append(self._patch(point, on_error=on_error))
         return handles
 
+    @property
+    def guard_errors(self) -> GuardErrors:
+        """Where this instance's patches count the calls they leave unguarded."""
+        return self._guard_errors
+
     def patches(self) -> list[PatchHandle]:
         """Import-path patches made through this instance: applied, pending or disabled."""
         with self._patches_lock:
@@ -264,6 +286,7 @@ class Guardrails:
                 return
             self._closed = True
         self._reporter.close()
+        self._finalizer.detach()
 
     @property
     def closed(self) -> bool:
@@ -283,6 +306,15 @@ class Guardrails:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Guardrails {state} sites={sorted(self._sites)}>"
+
+
+def startup_warnings(settings: GuardSettings) -> list[str]:
+    """What the start-up event (and `guardrails check`) warns about, one line each."""
+    warnings = [str(notice) for notice in settings.notices]
+    owners = other_owners()
+    if owners:
+        warnings.append(clash_advice(owners))
+    return warnings
 
 
 _default: Guardrails | None = None

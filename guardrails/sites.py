@@ -3,21 +3,33 @@
 A site is built once from settings and bakes them in: an enabled logits site holds one
 `HealSpec` per accepted dtype and the kernel for each device; a disabled site is a different
 class whose call returns None without looking at its argument. Per device, a site owns
-persistent buffers (row flags, int64 counts, kernel workspace, host mirror) made when the site
-first sees that device or when `reserve()` is called, never inside a CUDA-graph capture.
+persistent buffers (int64 counts, host mirror; per calling thread, row flags and the kernel
+workspace that goes with them) made when the site first sees that device or thread or when
+`reserve()` is called, never inside a CUDA-graph capture.
 
-The flags a call returns are a view of the site's buffer, valid until that site's next call on
-the same device (like a CUDA graph's static output): clone them to keep them longer.
+The flags a call returns belong to the calling thread: a view of that thread's buffer, valid
+until the same thread's next call of that site on the same device (like a CUDA graph's static
+output), whatever other threads do meanwhile; clone them to keep them longer.
+
+Refused before anything is touched or any state is made: a dtype the site does not accept
+(TypeError), a tensor that is sparse or nested (TypeError), on the meta device or not on the
+site's pinned device (ValueError), without a vocab dimension (ValueError), and, when healing,
+one whose memory overlaps itself, such as an expanded view (ValueError: writing it in place
+could not be consistent). A forked child re-makes every site's lock (`os.register_at_fork`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
 from guardrails import ops
+from guardrails.exceptions import TensorTypeError, TensorValueError
 from guardrails.flags import LOGITS_SLOTS, TOKEN_SLOTS, CountKind, RowFlag
 from guardrails.kernels.base import HealSpec, LogitsKernel
 from guardrails.kernels.select import select_logits_kernel
@@ -35,18 +47,71 @@ __all__ = ["DisabledSite", "LogitsSite", "Site", "TokenSite"]
 # torch.compile constant-folds this function to True while tracing (the way sites switch to
 # guardrails.ops); bound once, as the eager hot path calls it on every call.
 _compiling: Final = torch.compiler.is_compiling
+_get_ident: Final = threading.get_ident
+_STRIDED: Final = torch.strided
+_TENSOR: Final = torch.Tensor
 _DEFAULT_CAPACITY: Final = 256
 _MAX_CACHED_VIEWS: Final = 64
+# Threads with buffers on one device before those of threads that have ended are reclaimed.
+_RECLAIM_AT: Final = 64
 _ASSERTED: Final = int(RowFlag.NAN | RowFlag.POSINF | RowFlag.NO_VALID_TOKEN)
 # Not uint16/32/64: torch has no comparison kernels for them ("lt_cpu" not implemented), so
 # they get a TypeError naming these instead of an error from inside the guard.
 _INTEGER_DTYPES: Final = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-class _DeviceState:
-    __slots__ = ("capacity", "counts", "device", "flags", "kernel", "retired", "views", "workspace")
+class _Buffers:
+    """One thread's row flags on one device, and the kernel workspace that describes them
+    (the CPU kernel's `extent`: how far these flags may hold non-zero bytes)."""
+
+    __slots__ = ("capacity", "flags", "views", "workspace")
     flags: torch.Tensor
     workspace: Any
+
+    def __init__(self, device: torch.device, capacity: int, kernel: LogitsKernel | None) -> None:
+        self.capacity = 0
+        self._allocate(device, capacity, kernel, None)
+
+    def _allocate(
+        self,
+        device: torch.device,
+        capacity: int,
+        kernel: LogitsKernel | None,
+        retired: list[tuple[torch.Tensor, Any]] | None,
+    ) -> None:
+        # Ordinary tensors even when first sized inside inference mode, so that calls made
+        # outside it can still update them.
+        with torch.inference_mode(False):
+            flags = torch.zeros(capacity, dtype=torch.uint8, device=device)
+            ws = kernel.workspace(capacity, device) if kernel is not None else None
+        # Only now that both exist: an allocation that fails leaves the buffers as they were.
+        if self.capacity and retired is not None:
+            retired.append((self.flags, self.workspace))
+        self.flags = flags
+        self.workspace = ws
+        self.views: dict[int, torch.Tensor] = {}
+        self.capacity = capacity
+
+
+class _DeviceState:
+    """A site's state on one device: the counts all threads add to, and each thread's buffers.
+
+    Every mutation happens under the site's lock. `owner`/`last` are the thread served last
+    and its buffers: with one calling thread (the common case) a call finds its buffers with
+    one comparison.
+    """
+
+    __slots__ = (
+        "buffers",
+        "capacity",
+        "counts",
+        "device",
+        "kernel",
+        "last",
+        "owner",
+        "retired",
+        "spare",
+    )
 
     def __init__(
         self, device: torch.device, capacity: int, slots: int, kernel: LogitsKernel | None
@@ -54,40 +119,85 @@ class _DeviceState:
         self.device = device
         self.kernel = kernel  # None at token-id sites
         self.counts = DeviceCounts(device, slots)
+        self.capacity = capacity  # rows every thread's buffers hold at least
         # Buffers replaced by a growth, kept on CUDA: a graph captured before the growth
         # still writes into them on every replay (their rows were reserved for it).
-        self.retired: list[tuple[torch.Tensor, Any]] = []
-        self.capacity = 0
-        self._allocate(capacity, kernel)
+        self.retired: list[tuple[torch.Tensor, Any]] | None = [] if device.type == "cuda" else None
+        self.buffers: dict[int, _Buffers] = {}  # by thread id
+        # Made ahead (by `reserve`) for the next thread that calls: a thread whose first call
+        # is a CUDA-graph capture must not allocate. Also where the buffers of threads that
+        # have ended go (`_reclaim`): kept, since a graph such a thread captured still writes
+        # them on every replay, and reused by later threads rather than grown without bound
+        # (such a graph's flags are then shared with the thread that reuses them).
+        self.spare = [_Buffers(device, capacity, kernel)]
+        self.owner: int | None = None  # no thread yet: `last` is not used before it is set
+        self.last = self.spare[0]
 
-    def _allocate(self, capacity: int, kernel: LogitsKernel | None) -> None:
-        # Ordinary tensors even when first sized inside inference mode, so that calls made
-        # outside it can still update them.
-        with torch.inference_mode(False):
-            flags = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
-            ws = kernel.workspace(capacity, self.device) if kernel is not None else None
-        # Only now that both exist: an allocation that fails leaves the state as it was.
-        if self.capacity and self.device.type == "cuda":
-            self.retired.append((self.flags, self.workspace))
-        self.flags = flags
-        self.workspace = ws
-        self.views: dict[int, torch.Tensor] = {}
-        self.capacity = capacity
+    def buffers_for(self, ident: int, site: str) -> _Buffers:
+        """The calling thread's buffers (made or taken from the spares on its first call)."""
+        buffers = self.buffers.get(ident)
+        if buffers is None:
+            buffers = self.buffers[ident] = self._new_buffers(site)
+        self.last = buffers
+        self.owner = ident
+        return buffers
 
-    def flags_view(self, rows: int, kernel: LogitsKernel | None, site: str) -> torch.Tensor:
-        if rows > self.capacity:
+    def _new_buffers(self, site: str) -> _Buffers:
+        if not self.spare and len(self.buffers) >= _RECLAIM_AT:
+            self._reclaim()
+        if self.spare:
+            buffers = self.spare.pop()
+            if buffers.capacity < self.capacity:
+                self._capture_check(site, self.capacity)
+                buffers._allocate(self.device, self.capacity, self.kernel, self.retired)
+            return buffers
+        self._capture_check(site, self.capacity)
+        return _Buffers(self.device, self.capacity, self.kernel)
+
+    def _reclaim(self) -> None:
+        # Thread ids of ended threads: ids of live threads that run Python (all that can
+        # call a site) are the keys of sys._current_frames().
+        alive = sys._current_frames().keys()
+        for ident in [ident for ident in self.buffers if ident not in alive]:
+            self.spare.append(self.buffers.pop(ident))
+        if self.owner not in self.buffers:
+            self.owner = None
+
+    def _capture_check(self, site: str, rows: int) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Its allocations and zero-fills would be recorded into the graph.
+            raise RuntimeError(
+                f"guardrails site {site!r} needs buffers for {rows} rows on {self.device} "
+                "inside a CUDA-graph capture; call site.reserve(rows, device) (or make one "
+                "call) in the capturing thread before capturing"
+            )
+
+    def flags_view(self, buffers: _Buffers, rows: int, site: str) -> torch.Tensor:
+        if rows > buffers.capacity:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
-                    f"guardrails site {site!r}: {rows} rows exceed the {self.capacity} reserved "
-                    f"on {self.device} during CUDA-graph capture; call "
+                    f"guardrails site {site!r}: {rows} rows exceed the {buffers.capacity} "
+                    f"reserved on {self.device} during CUDA-graph capture; call "
                     f"site.reserve({rows}, device) before capturing"
                 )
-            self._allocate(max(rows, 2 * self.capacity), kernel)
-        if len(self.views) >= _MAX_CACHED_VIEWS:
-            self.views.clear()
-        view = self.flags[:rows]
-        self.views[rows] = view
+            buffers._allocate(
+                self.device, max(rows, 2 * buffers.capacity), self.kernel, self.retired
+            )
+        if len(buffers.views) >= _MAX_CACHED_VIEWS:
+            buffers.views.clear()
+        view = buffers.flags[:rows]
+        buffers.views[rows] = view
         return view
+
+    def reserve(self, rows: int, ident: int) -> None:
+        """Every thread's buffers hold `rows` rows from now on; a thread that has none yet
+        (`ident`'s, or the next to call) finds a spare made for it."""
+        for buffers in [*self.buffers.values(), *self.spare]:
+            if buffers.capacity < rows:
+                buffers._allocate(self.device, rows, self.kernel, self.retired)
+        self.capacity = max(self.capacity, rows)
+        if ident not in self.buffers and not self.spare:
+            self.spare.append(_Buffers(self.device, self.capacity, self.kernel))
 
 
 class _SiteBase:
@@ -111,9 +221,9 @@ class _SiteBase:
         self.name = validate_site_name(name)
         self._reporter = reporter
         self._every = every_calls
-        # Held for a whole call: the flags buffer and (on the CPU) the read-modify-write of
-        # the counts belong to one caller at a time. Re-entrant, because a call may size
-        # buffers (reserve) and count itself under it.
+        # Held while a call updates the site: the counts (a read-modify-write on the CPU),
+        # the call counter and the per-device state. Re-entrant, because a call may size
+        # buffers (reserve) under it. Never held across reporting (host logging, metrics).
         self._lock = threading.RLock()
         self._states: dict[torch.device, _DeviceState] = {}
         self._state: _DeviceState | None = None  # the last device used: the common case
@@ -121,6 +231,7 @@ class _SiteBase:
         self._calls = 0
         self.last_dtype: torch.dtype | None = None
         self.last_shape: tuple[int, ...] = ()
+        _live_sites().add(self)
         if self._pinned_device is not None:
             self.reserve(capacity or _DEFAULT_CAPACITY, self._pinned_device)
 
@@ -128,8 +239,17 @@ class _SiteBase:
         return None
 
     def reserve(self, rows: int, device: torch.device | str) -> None:
-        """Allocate buffers for up to `rows` rows on `device` now (before a graph capture)."""
+        """Allocate buffers for up to `rows` rows on `device` now (before a graph capture).
+
+        Every thread that has called the site on `device` gets room for `rows` rows, and the
+        calling thread, if it has not called yet, a buffer of its own for its first call."""
         device = _normalise(torch.device(device))
+        if device.type == "meta":
+            raise TensorValueError(
+                f"guardrails site {self.name!r}: the meta device holds no values to guard "
+                "and no counts; use a real device",
+                "device",
+            )
         with self._lock:
             state = self._states.get(device)
             kernel = self._kernel(device)
@@ -146,8 +266,8 @@ class _SiteBase:
                 self._states[device] = state
                 if self._reporter is not None:
                     self._reporter.track(self, state.counts)
-            elif rows > state.capacity:
-                state._allocate(rows, kernel)
+            else:
+                state.reserve(rows, _get_ident())
             self._state = state
 
     def _state_for(self, tensor: torch.Tensor) -> _DeviceState:
@@ -155,9 +275,17 @@ class _SiteBase:
         if self._pinned_device is not None and _normalise(device) != _normalise(
             self._pinned_device
         ):
-            raise ValueError(
+            raise TensorValueError(
                 f"guardrails site {self.name!r} was created for device {self._pinned_device}; "
-                f"got a tensor on {device}"
+                f"got a tensor on {device}",
+                "device",
+            )
+        if device.type == "meta":
+            # Before any state exists for it: meta counts cannot be read, ever.
+            raise TensorValueError(
+                f"guardrails site {self.name!r}: a meta tensor holds no values to guard; "
+                "the tensor was not modified",
+                "device",
             )
         state = self._states.get(_normalise(device))
         if state is None:
@@ -166,12 +294,26 @@ class _SiteBase:
         self._state = state
         return state
 
-    def _count_call(self, tensor: torch.Tensor, state: _DeviceState) -> None:
-        # Called with the site lock held, at the end of every call.
-        calls = self._calls = self._calls + 1
-        due = calls % self._every == 0
-        if due or calls == 1:
-            self._report(tensor, state, due=due)
+    def _refuse_layout(self, tensor: torch.Tensor, sanitize: bool, what: str) -> None:
+        """The slow half of the layout check, for tensors that are not plain contiguous ones:
+        sparse and nested tensors are refused, and (when healing) memory that overlaps
+        itself; any other strided view, and tensor subclasses, are fine."""
+        if tensor.is_nested or tensor.layout is not _STRIDED:
+            kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+            raise TensorTypeError(
+                f"guardrails site {self.name!r}: {what} must be a dense strided tensor, got a "
+                f"{kind} tensor; the tensor was not modified",
+                "layout",
+            )
+        if sanitize and not tensor.is_contiguous() and _overlaps(tensor):
+            raise TensorValueError(
+                f"guardrails site {self.name!r}: the {what}' memory overlaps itself (shape "
+                f"{tuple(tensor.shape)}, strides {tensor.stride()}, e.g. an expanded view), "
+                "so they cannot be healed in place consistently; pass a tensor that owns its "
+                "memory (.contiguous()) or set sanitize = false for this site; the tensor was "
+                "not modified",
+                "layout",
+            )
 
     def _report(self, tensor: torch.Tensor, state: _DeviceState, *, due: bool) -> None:
         # dtype and shape for log events, also those flushed before the first tick.
@@ -185,6 +327,11 @@ class _SiteBase:
             return
         state.counts.request()
         self._reporter.tick()
+
+    def _after_fork_in_child(self) -> None:
+        # The forking thread is the child's only thread: a lock another thread held at the
+        # fork would never be released. What that thread was writing was its own buffers.
+        self._lock = threading.RLock()
 
     # -- inspection -------------------------------------------------------------------
 
@@ -213,6 +360,31 @@ def _normalise(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _overlaps(x: torch.Tensor) -> bool:
+    """Whether two elements of `x` share memory (writing them in place cannot be done
+    consistently)."""
+    if x.numel() <= 1:
+        return False
+    verdict = torch._debug_has_internal_overlap(x)  # 0: no, 1: yes (stride 0), 2: too hard
+    if verdict != 2:
+        return verdict == 1
+    # Strides sorted ascending, each past everything the smaller ones reach: no overlap.
+    # That covers every slice, transpose and padded view.
+    dims = sorted((st, sz) for sz, st in zip(x.shape, x.stride(), strict=True) if sz > 1)
+    reach = 0
+    for stride, size in dims:
+        if stride <= reach:
+            break
+        reach += stride * (size - 1)
+    else:
+        return False
+    # An unusual `as_strided` view: count the distinct offsets its elements use.
+    span = sum(st * (sz - 1) for sz, st in zip(x.shape, x.stride(), strict=True)) + 1
+    offsets = torch.arange(span, dtype=torch.int64).as_strided(x.shape, x.stride())
+    ordered = offsets.flatten().sort().values
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 class LogitsSite(_SiteBase):
@@ -246,6 +418,7 @@ class LogitsSite(_SiteBase):
                 sanitize=bool(config.sanitize),
                 count_neginf=config.count_neginf,
             )
+        self._sanitize = bool(config.sanitize)
         self._kernels: dict[torch.device, LogitsKernel] = {}
         self._op_key = ops.register(self)  # how compiled code reaches this site
         self._assert_msg = (
@@ -281,23 +454,46 @@ class LogitsSite(_SiteBase):
             # check above stays in the traced code (a TypeError as in eager code); the op's
             # fake implementation raises the shape's ValueError while tracing.
             return torch.ops.guardrails.guard_logits_(logits, self._op_key)  # type: ignore[no-any-return]
+        # A plain contiguous tensor is dense and strided and cannot overlap itself: the slow
+        # check only for others (sparse compressed layouts raise from is_contiguous).
+        try:
+            plain = type(logits) is _TENSOR and logits.is_contiguous()
+        except RuntimeError:
+            plain = False
+        if not plain:
+            self._refuse_layout(logits, self._sanitize, "logits")
+        # `_rows` written out: one Python call less on every guarded call.
+        try:
+            vocab = logits.shape[-1]
+        except (IndexError, RuntimeError):
+            self._rows(logits)  # raises the 0-d error, or refuses a nested tensor
+            raise
+        rows = logits.numel() // vocab if vocab else _leading(logits)
         state = self._state
         if state is None or logits.device != state.device:
             state = self._state_for(logits)
         with self._lock:
+            ident = _get_ident()
+            buffers = state.last if state.owner == ident else state.buffers_for(ident, self.name)
             if logits.requires_grad or logits.is_inference():
                 with _writable(logits):
-                    flags = self._guard(logits, spec, state)
+                    flags = self._guard(logits, rows, spec, state, buffers)
             else:
-                flags = self._guard(logits, spec, state)
-            self._count_call(logits, state)
-            return flags
+                flags = self._guard(logits, rows, spec, state, buffers)
+            calls = self._calls = self._calls + 1
+        if calls % self._every == 0 or calls == 1:
+            # Outside the site lock: a tick may log and write metrics (host code).
+            self._report(logits, state, due=calls % self._every == 0)
+        return flags
 
     def rows_of(self, logits: torch.Tensor) -> int:
         """The number of row flags a call on `logits` returns (what compiled code is traced
-        with); raises the call's TypeError or ValueError for a tensor it would refuse."""
+        with); raises the call's TypeError or ValueError for a tensor it would refuse (but
+        for memory overlapping itself, which the call itself refuses)."""
         if self._specs.get(getattr(logits, "dtype", None)) is None:  # type: ignore[arg-type]
             raise self._type_error(logits)
+        if logits.layout is not _STRIDED or logits.is_nested:
+            self._refuse_layout(logits, False, "logits")
         return self._rows(logits)
 
     def _rows(self, logits: torch.Tensor) -> int:
@@ -305,41 +501,47 @@ class LogitsSite(_SiteBase):
             vocab = logits.shape[-1]
         except IndexError:
             raise self._zero_dim_error() from None
+        except RuntimeError:
+            # A nested tensor with the strided layout has no sizes.
+            if logits.is_nested:
+                self._refuse_layout(logits, False, "logits")
+            raise
         return logits.numel() // vocab if vocab else _leading(logits)
 
-    def _zero_dim_error(self) -> ValueError:
-        return ValueError(
+    def _zero_dim_error(self) -> TensorValueError:
+        return TensorValueError(
             f"guardrails site {self.name!r}: logits must have a vocab dimension, got a 0-d tensor"
         )
 
-    def _guard(self, logits: torch.Tensor, spec: HealSpec, state: _DeviceState) -> torch.Tensor:
-        # `_rows` written out: one Python call less on every guarded call.
-        try:
-            vocab = logits.shape[-1]
-        except IndexError:
-            raise self._zero_dim_error() from None
-        rows = logits.numel() // vocab if vocab else _leading(logits)
+    def _guard(
+        self,
+        logits: torch.Tensor,
+        rows: int,
+        spec: HealSpec,
+        state: _DeviceState,
+        buffers: _Buffers,
+    ) -> torch.Tensor:
         kernel = state.kernel
         assert kernel is not None  # a logits site always has one (for mypy)
-        flags = state.views.get(rows)
+        flags = buffers.views.get(rows)
         if flags is None:
-            flags = state.flags_view(rows, kernel, self.name)
+            flags = state.flags_view(buffers, rows, self.name)
         if rows:
             # An empty vocabulary too: every kernel flags and counts such rows (no entry to
             # sample from) and writes nothing.
-            kernel(logits, flags, state.counts.counts, spec, state.workspace)
+            kernel(logits, flags, state.counts.counts, spec, buffers.workspace)
         if self._assert_msg is not None:
             torch._assert_async(flags.bitwise_and(_ASSERTED).eq(0).all(), self._assert_msg)
         return flags
 
-    def _type_error(self, logits: object) -> TypeError:
+    def _type_error(self, logits: object) -> TensorTypeError:
         accepted = ", ".join(str(d).removeprefix("torch.") for d in self._specs)
         if not isinstance(logits, torch.Tensor):
-            return TypeError(
+            return TensorTypeError(
                 f"guardrails site {self.name!r} expects a torch.Tensor of logits, got "
                 f"{type(logits).__name__}"
             )
-        return TypeError(
+        return TensorTypeError(
             f"guardrails site {self.name!r}: logits dtype {logits.dtype} is not accepted "
             f"(accepted: {accepted}); the tensor was not modified"
         )
@@ -387,20 +589,49 @@ class TokenSite(_SiteBase):
             raise self._type_error(token_ids)
         if _compiling():
             return torch.ops.guardrails.guard_token_ids_(token_ids, self._op_key)  # type: ignore[no-any-return]
+        try:
+            plain = type(token_ids) is _TENSOR and token_ids.is_contiguous()
+        except RuntimeError:
+            plain = False
+        if not plain:
+            self._refuse_layout(token_ids, self._sanitize, "token ids")
+        try:
+            rows = self._rows(token_ids)
+        except RuntimeError:
+            self._rows_checked(token_ids)  # refuses a nested tensor
+            raise
         state = self._state
         if state is None or token_ids.device != state.device:
             state = self._state_for(token_ids)
         with self._lock:
+            ident = _get_ident()
+            buffers = state.last if state.owner == ident else state.buffers_for(ident, self.name)
             if token_ids.is_inference():
                 with _writable(token_ids):
-                    return self._guard(token_ids, state)
-            return self._guard(token_ids, state)
+                    flags = self._guard(token_ids, rows, state, buffers)
+            else:
+                flags = self._guard(token_ids, rows, state, buffers)
+            calls = self._calls = self._calls + 1
+        if calls % self._every == 0 or calls == 1:
+            # Outside the site lock: a tick may log and write metrics (host code).
+            self._report(token_ids, state, due=calls % self._every == 0)
+        return flags
 
     def rows_of(self, token_ids: torch.Tensor) -> int:
         """The number of row flags a call on `token_ids` returns (see LogitsSite.rows_of)."""
         if getattr(token_ids, "dtype", None) not in _INTEGER_DTYPES:
             raise self._type_error(token_ids)
-        return self._rows(token_ids)
+        if token_ids.layout is not _STRIDED or token_ids.is_nested:
+            self._refuse_layout(token_ids, False, "token ids")
+        return self._rows_checked(token_ids)
+
+    def _rows_checked(self, ids: torch.Tensor) -> int:
+        try:
+            return self._rows(ids)
+        except RuntimeError:
+            if ids.is_nested:  # a strided nested tensor has no sizes
+                self._refuse_layout(ids, False, "token ids")
+            raise
 
     @staticmethod
     def _rows(ids: torch.Tensor) -> int:
@@ -408,11 +639,12 @@ class TokenSite(_SiteBase):
         dim = ids.dim()
         return _leading(ids) if dim >= 2 else ids.numel() if dim == 1 else 1
 
-    def _guard(self, ids: torch.Tensor, state: _DeviceState) -> torch.Tensor:
-        rows = self._rows(ids)
-        flags = state.views.get(rows)
+    def _guard(
+        self, ids: torch.Tensor, rows: int, state: _DeviceState, buffers: _Buffers
+    ) -> torch.Tensor:
+        flags = buffers.views.get(rows)
         if flags is None:
-            flags = state.flags_view(rows, None, self.name)
+            flags = state.flags_view(buffers, rows, self.name)
         if ids.numel():
             guard_token_ids_(
                 ids,
@@ -426,17 +658,16 @@ class TokenSite(_SiteBase):
             flags.zero_()
         if self._assert_msg is not None:
             torch._assert_async(flags.eq(0).all(), self._assert_msg)
-        self._count_call(ids, state)
         return flags
 
-    def _type_error(self, ids: object) -> TypeError:
+    def _type_error(self, ids: object) -> TensorTypeError:
         if not isinstance(ids, torch.Tensor):
-            return TypeError(
+            return TensorTypeError(
                 f"guardrails token site {self.name!r} expects a torch.Tensor of token ids, got "
                 f"{type(ids).__name__}"
             )
         accepted = ", ".join(str(d).removeprefix("torch.") for d in _INTEGER_DTYPES)
-        return TypeError(
+        return TensorTypeError(
             f"guardrails token site {self.name!r}: token ids must be an integer tensor, got "
             f"{ids.dtype} (accepted: {accepted}); the tensor was not modified"
         )
@@ -493,3 +724,31 @@ class _writable:
     def __exit__(self, *exc: object) -> None:
         for context in reversed(self._contexts):
             context.__exit__(*exc)
+
+
+# -- fork ----------------------------------------------------------------------------------
+
+_live: weakref.WeakSet[_SiteBase] | None = None
+_live_lock = threading.Lock()
+
+
+def _live_sites() -> weakref.WeakSet[_SiteBase]:
+    """Every site alive in this process; installs the fork hook with the first one.
+
+    A WeakSet, so that a dropped `Guardrails` and its sites are still collected.
+    """
+    global _live
+    with _live_lock:
+        if _live is None:
+            _live = weakref.WeakSet()
+            if hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=_after_fork_in_child)
+        return _live
+
+
+def _after_fork_in_child() -> None:
+    global _live_lock
+    _live_lock = threading.Lock()
+    ops.after_fork_in_child()
+    for site in list(_live or ()):
+        site._after_fork_in_child()

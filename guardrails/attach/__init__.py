@@ -8,8 +8,9 @@
   nothing (shared by patching and `guardrails check`).
 - `patching`: `PatchHandle`, which wraps the target when its module is imported.
 
-May import `guardrails.exceptions`, `flags`, `names` and `settings`; never the service or
-the sites, which it sees through small protocols (`SiteCall`, `PatchOwner`).
+May import `guardrails.exceptions`, `flags`, `names`, `settings` and (lazily, to count the
+calls a patch leaves unguarded) `reporting.metrics`; never the service or the sites, which it
+sees through small protocols (`SiteCall`, `PatchOwner`).
 """
 
 from __future__ import annotations

@@ -19,23 +19,37 @@ Contract:
 - `arg:` values are guarded before the call (the callee sees healed logits), `return` values
   after it. Argument positions are found once, at patch time; a call costs a tuple index or
   a dict lookup, attribute reads, and the site call. A disabled site is not wrapped at all.
+- A call never fails because of guardrails: a tensor the site refuses (its `TensorTypeError`
+  or `TensorValueError`), a reference that does not fit that call, or any other error of the
+  guard is counted in `guardrails_guard_errors_total{site, reason, rank}`, logged once per
+  (site, reason) as `guardrails.guard_error` (`GuardErrors`), and the call goes on unguarded.
+  Only the device-side assert of a site in async-assert (CI) mode is let through.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Protocol
+
+import torch
 
 from guardrails.attach.handles import Handle, SiteCall
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved, namespace, reader, resolve, vocab_of
+from guardrails.exceptions import TensorTypeError, TensorValueError
+from guardrails.names import GUARD_ERROR_EVENT, LOGGER_NAME
+
+if TYPE_CHECKING:
+    from guardrails.settings import GuardSettings
 
 __all__ = [
+    "GuardErrors",
     "PatchHandle",
     "PatchOwner",
     "TargetReport",
@@ -48,11 +62,84 @@ Guard = Callable[[Any], Any]
 _MARKER = "__guardrails_patch__"
 
 
+class GuardErrors:
+    """Where the patches of one `Guardrails` count the calls they leave unguarded.
+
+    `registry` and `logger` are the owner's (None: prometheus-client's global registry,
+    `structlog.get_logger("guardrails")`). Holds no lock: the once-per-(site, reason) log is
+    decided by one atomic `dict.setdefault`, so nothing is held while host code (metrics,
+    logging) runs, and a forked child inherits nothing locked. A failing registry or logger
+    is swallowed: the engine's call must go on.
+    """
+
+    def __init__(self, registry: Any = None, logger: Any = None) -> None:
+        self._registry = registry
+        if logger is None:
+            import structlog
+
+            logger = structlog.get_logger(LOGGER_NAME)
+        self._logger = logger
+        self._family: Any = None
+        self._rank = "0"
+        self._series: dict[tuple[str, str], Any] = {}
+        self._logged: dict[tuple[str, str], object] = {}
+
+    def prepare(self, site: str) -> None:
+        """Make the site's series at 0 (a point was applied): a first error then shows as an
+        increase, not as a new series."""
+        from guardrails.reporting.metrics import GUARD_ERROR_REASONS
+
+        for reason in GUARD_ERROR_REASONS:
+            with contextlib.suppress(Exception):  # retried at the first increment
+                self._child(site, reason)
+
+    def record(self, point: AttachPoint, reason: str, error: BaseException) -> None:
+        """Count one unguarded call of `point`; log the first of each (site, reason)."""
+        with contextlib.suppress(Exception):
+            self._child(point.site, reason).inc()
+        key = (point.site, reason)
+        mine = object()
+        if self._logged.setdefault(key, mine) is not mine:
+            return
+        with contextlib.suppress(Exception):
+            self._logger.error(
+                GUARD_ERROR_EVENT,
+                site=point.site,
+                reason=reason,
+                target=str(point.target),
+                tensor=str(point.tensor),
+                error=f"{type(error).__name__}: {error}",
+                rank=self._rank,
+                action="the call went on unguarded; later ones are counted, not logged",
+            )
+
+    def _child(self, site: str, reason: str) -> Any:
+        key = (site, reason)
+        child = self._series.get(key)
+        if child is None:
+            if self._family is None:
+                # Late: prometheus-client is imported by the service first, never at import.
+                from guardrails.reporting.metrics import guard_metrics, resolve_rank
+
+                self._rank = resolve_rank()
+                self._family = guard_metrics(self._registry).guard_errors
+            child = self._series[key] = self._family.labels(
+                site=site, reason=reason, rank=self._rank
+            )
+        return child
+
+
 class PatchOwner(Protocol):
     """What a patch needs of the `Guardrails` that owns it."""
 
     @property
     def closed(self) -> bool: ...
+
+    @property
+    def settings(self) -> GuardSettings: ...
+
+    @property
+    def guard_errors(self) -> GuardErrors: ...
 
     def is_enabled(self, name: str) -> bool: ...
 
@@ -139,7 +226,15 @@ class PatchHandle(Handle):
                 self._guard[0] = self._guards.site(point.site)
             elif point.vocab_size is not None:
                 self._guard[0] = self._guards.token_site(point.site, vocab_size=point.vocab_size)
-            wrapper = _wrapper(self, resolved.func, read, read_vocab, point.tensor.source)
+            self._guards.guard_errors.prepare(point.site)
+            # In CI mode a site's assert must fail the process where the bad value is (on
+            # the CPU it raises at once); every other error of the guard is contained.
+            fatal: tuple[type[Exception], ...] = (
+                (RuntimeError,)
+                if self._guards.settings.site_settings(point.site).async_assert
+                else ()
+            )
+            wrapper = _wrapper(self, resolved.func, read, read_vocab, point.tensor.source, fatal)
             setattr(wrapper, _MARKER, self)
             installed: Any = wrapper
             if isinstance(resolved.raw, staticmethod):
@@ -165,16 +260,9 @@ class PatchHandle(Handle):
             return site
         return current  # another thread got there first, or the handle was removed
 
-    def _fail(self, exc: Exception) -> NoReturn:
-        error = (
-            exc
-            if isinstance(exc, AttachError)
-            else self.point.error(f"{self.point.tensor}: {type(exc).__name__}: {exc}")
-        )
-        self.error = error
-        if self._on_error is not None:
-            self._on_error(error)
-        raise error from (None if exc is error else exc)
+    def _unguarded(self, reason: str, error: BaseException) -> None:
+        """This call goes on unguarded: counted and (once per site and reason) logged."""
+        self._guards.guard_errors.record(self.point, reason, error)
 
     def _undo(self) -> None:
         with self._lock:
@@ -205,6 +293,7 @@ def _wrapper(
     read: Callable[[tuple[Any, ...], dict[str, Any], Any], Any],
     read_vocab: Callable[[tuple[Any, ...], dict[str, Any], Any], Any] | None,
     when: Literal["arg", "return"],
+    fatal: tuple[type[Exception], ...],
 ) -> Callable[..., Any]:
     slot = handle._guard
 
@@ -218,12 +307,20 @@ def _wrapper(
                 site = handle._token_guard(read_vocab(args, kwargs, result))
             if site is None:
                 raise RuntimeError(f"guardrails: {handle.point} has no site")  # unreachable
+        except Exception as exc:
+            # The configured reference does not fit what this call passes or returns.
+            handle._unguarded("reference", exc)
+            return
+        try:
             site(value)
-        except AttachError as exc:
-            handle._fail(exc)
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
-            # The configured reference does not fit what the target passes or returns.
-            handle._fail(exc)
+        except fatal:
+            raise
+        except (TensorTypeError, TensorValueError) as exc:
+            # Not a tensor at all: the reference picked the wrong value.
+            reason = exc.reason if isinstance(value, torch.Tensor) else "reference"
+            handle._unguarded(reason, exc)
+        except Exception as exc:
+            handle._unguarded("error", exc)
 
     if when == "arg":
 

@@ -4,8 +4,11 @@ attach targets, before a deployment does.
 Each `[[attach]]` target is imported and checked the way applying it would (module, attribute,
 callable, argument), without patching anything. A target whose package is not installed here
 (checking an SGLang profile on a laptop) is a warning, an error under `--strict`; every other
-problem is an error. Exit 0 with a short summary, 1 with one line per problem, 2 when the
-settings themselves are invalid (the `ConfigError` message).
+problem is an error. Valid settings worth a look (every site off, a `[sites]` section no site
+uses, /metrics reachable from other hosts) and another distribution owning the import name
+`guardrails` are warnings. Every problem is reported in one run: invalid settings are listed
+with what the attach targets that do parse look like. Exit 0 with a short summary, 1 with one
+line per problem, 2 when the settings themselves are invalid.
 """
 
 from __future__ import annotations
@@ -15,7 +18,15 @@ import importlib.metadata
 import os
 import platform
 import sys
-from typing import Any
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from guardrails.settings.schema import plain
+
+if TYPE_CHECKING:
+    from guardrails.attach.points import AttachPoint
+    from guardrails.settings import GuardSettings
 
 
 def register(sub: Any) -> None:
@@ -37,47 +48,49 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from guardrails.attach.patching import inspect_point
-    from guardrails.attach.points import AttachPoint
+    from guardrails.distribution import clash_advice, other_owners
+    from guardrails.exceptions import ConfigError
     from guardrails.integrations.launcher import prepare
 
-    _, settings = prepare(os.environ, config_file=args.config)  # ConfigError: exit 2
     print("guardrails check")
     for name, value in _environment():
         print(f"  {name:<13} {value}")
-    config = settings.config_file
-    print(f"  {'config':<13} {config if config is not None else '(none: defaults and env)'}")
-    print(
-        f"  {'enabled':<13} {settings.enabled} (sites {', '.join(settings.enabled_sites)}"
-        + (f"; off: {', '.join(settings.disabled_sites)})" if settings.disabled_sites else ")")
-    )
     errors: list[str] = []
     warnings: list[str] = []
-    for index, entry in enumerate(settings.attach):
-        point = AttachPoint.from_settings(entry, settings.origin("attach", index, "target"))
-        report = inspect_point(point)
-        label = f"attach[{index}]"
-        state = "" if settings.is_site_enabled(point.site) else " (site disabled)"
-        if report.status == "ok":
-            print(f"  {label:<13} ok       {point}{state}")
-            continue
-        line = f"{label} {point}: {report.message}"
-        if report.status == "not_importable" and not args.strict:
-            print(f"  {label:<13} warning  {point}: {report.message}")
-            warnings.append(line)
-        else:
-            print(f"  {label:<13} error    {point}: {report.message}")
-            errors.append(f"{point.origin}: {point.target}: {report.message}")
-    if settings.attach and not _has_wrapt():
+    owners = other_owners(thorough=True)
+    if owners:
+        _warn(warnings, "install", clash_advice(owners))
+    settings: GuardSettings | None = None
+    try:
+        _, settings = prepare(os.environ, config_file=args.config)
+    except ConfigError as exc:
+        problems = [str(problem) for problem in exc.problems]
+        for problem in problems:
+            print(f"  {'settings':<13} error    {problem}")
+        errors += problems
+        points = _points_of_invalid_settings(args.config)
+    else:
+        _print_settings(settings)
+        for notice in settings.notices:
+            _warn(warnings, "settings", str(notice))
+        points = _points(settings)
+    attach_errors, not_importable = _check_points(points, settings, strict=args.strict)
+    errors += attach_errors
+    if points and not _has_wrapt():
         errors.append("wrapt is not importable: [[attach]] entries need it (pip install wrapt)")
     for error in errors:
         print(f"guardrails check: error: {error}", file=sys.stderr)
-    total = len(settings.attach)
+    total = len(points)
     summary = (
         f"{total} attach point{'s' if total != 1 else ''}, "
-        f"{total - len(errors) - len(warnings)} resolved, {len(warnings)} not importable here, "
+        f"{total - len(attach_errors) - not_importable} resolved, "
+        f"{not_importable} not importable here, "
+        f"{len(warnings)} warning{'s' if len(warnings) != 1 else ''}, "
         f"{len(errors)} error{'s' if len(errors) != 1 else ''}"
     )
+    if settings is None:
+        print(f"guardrails check: FAILED, invalid settings ({summary})", file=sys.stderr)
+        return 2
     if errors:
         print(f"guardrails check: FAILED ({summary})", file=sys.stderr)
         return 1
@@ -85,15 +98,99 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn(warnings: list[str], label: str, text: str) -> None:
+    print(f"  {label:<13} warning  {text}")
+    warnings.append(text)
+
+
+def _points(settings: GuardSettings) -> list[tuple[int, AttachPoint]]:
+    from guardrails.attach.points import AttachPoint
+
+    return [
+        (index, AttachPoint.from_settings(entry, settings.origin("attach", index, "target")))
+        for index, entry in enumerate(settings.attach)
+    ]
+
+
+def _print_settings(settings: GuardSettings) -> None:
+    config = settings.config_file
+    print(f"  {'config':<13} {config if config is not None else '(none: defaults and env)'}")
+    off = f"; off: {', '.join(settings.disabled_sites)}" if settings.disabled_sites else ""
+    print(
+        f"  {'enabled':<13} {plain(settings.enabled)} "
+        f"(sites {', '.join(settings.enabled_sites)}{off})"
+    )
+    print(f"  {'sanitize':<13} {plain(settings.sanitize)}")
+    print(f"  {'async_assert':<13} {plain(settings.async_assert)}")
+    metrics = settings.metrics
+    served = f"{metrics.addr}:{metrics.port}" if metrics.port else "not served (port 0)"
+    print(f"  {'metrics':<13} {served}")
+
+
+def _points_of_invalid_settings(config: str | None) -> list[tuple[int, AttachPoint]]:
+    """The `[[attach]]` entries of a config file whose settings are invalid, that are valid
+    on their own: checked too, so that one run reports every problem."""
+    from pydantic import ValidationError
+
+    from guardrails.attach.points import AttachPoint
+    from guardrails.settings import AttachSettings
+
+    raw = config if config is not None else os.environ.get("GUARDRAILS_CONFIG_FILE", "")
+    if not raw.strip():
+        return []
+    try:
+        path = Path(raw).expanduser()
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, RuntimeError, UnicodeDecodeError, ValueError):
+        return []  # the settings problem already says why the file cannot be read
+    entries = data.get("attach", [])
+    points = []
+    for index, entry in enumerate(entries if isinstance(entries, list) else []):
+        try:
+            valid = AttachSettings.model_validate(entry)
+        except ValidationError:
+            continue
+        points.append((index, AttachPoint.from_settings(valid, f"{path}: attach[{index}].target")))
+    return points
+
+
+def _check_points(
+    points: list[tuple[int, AttachPoint]], settings: GuardSettings | None, *, strict: bool
+) -> tuple[list[str], int]:
+    from guardrails.attach.patching import inspect_point
+
+    errors: list[str] = []
+    not_importable = 0
+    for index, point in points:
+        report = inspect_point(point)
+        label = f"attach[{index}]"
+        enabled = settings is None or settings.is_site_enabled(point.site)
+        state = "" if enabled else " (site disabled)"
+        if report.status == "ok":
+            print(f"  {label:<13} ok       {point}{state}")
+            continue
+        if report.status == "not_importable" and not strict:
+            print(f"  {label:<13} warning  {point}: {report.message}")
+            not_importable += 1
+        else:
+            print(f"  {label:<13} error    {point}: {report.message}")
+            errors.append(f"{point.origin}: {point.target}: {report.message}")
+    return errors, not_importable
+
+
 def _environment() -> list[tuple[str, str]]:
     import torch
 
+    from guardrails.cli.main import version
+
+    here = Path(__file__).resolve().parents[1]
     cuda = (
         f"cuda {torch.version.cuda}, {torch.cuda.device_count()} device(s)"
         if torch.cuda.is_available()
         else "no CUDA device"
     )
     rows = [
+        ("guardrails", f"{version()} ({here})"),
         ("python", f"{platform.python_version()} ({sys.executable})"),
         ("torch", f"{torch.__version__} ({cuda})"),
     ]

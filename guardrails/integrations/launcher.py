@@ -9,7 +9,10 @@ Process side (`bootstrap`, run by the bootstrap `sitecustomize`): build the proc
 `guardrails.default()` from the environment, apply its attach points (pending ones apply
 when their module is imported) and close it at exit. A bad configuration or an attach point
 that does not fit its target ends the process at once with status 2 and the message on
-stderr: a guard that silently did not install would be worse than no start.
+stderr: a guard that silently did not install would be worse than no start. What happens at
+run time never does: a tensor a patched target's site refuses, or a reference that does not
+fit one call, is counted in `guardrails_guard_errors_total`, logged once, and the engine's
+call goes on unguarded (see `guardrails.attach.patching`).
 """
 
 from __future__ import annotations

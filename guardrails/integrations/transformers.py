@@ -11,12 +11,14 @@ Policy, from `[sites."<site>"] abort_on` in the settings or the `abort_on` argum
 - e.g. `["no_valid_token"]`: rows carrying any listed flag are forced to end: their scores
   become -inf except 0 at the EOS id(s), so generation stops that row instead of sampling
   garbage. Counted in `aborted_rows()`; the flags themselves are counted by the site.
-No host sync: the decision is a `torch.where` on the device flags. This module imports
-transformers; `import guardrails` never imports this module.
+No host sync: the decision is a `torch.where` on the device flags. One processor may serve
+several threads at once: each call acts on its own call's flags (see `guardrails.sites`).
+This module imports transformers; `import guardrails` never imports this module.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -58,10 +60,11 @@ class GuardLogitsProcessor(LogitsProcessor):
                 "(e.g. model.generation_config.eos_token_id)"
             )
         self.last_flags: torch.Tensor | None = None
-        # Per (device, dtype, vocab): the row an aborted request is forced to, and a device
-        # counter of aborted rows; both made outside the per-step path.
+        # Per (device, dtype, vocab): the row an aborted request is forced to; per (device,
+        # thread): a device counter of aborted rows (an in-place add from two threads at once
+        # could lose one). Both made outside the per-step path.
         self._ended: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
-        self._aborted: dict[torch.device, torch.Tensor] = {}
+        self._aborted: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         # Exactly two parameters: LogitsProcessorList passes extra kwargs to processors that
@@ -75,9 +78,10 @@ class GuardLogitsProcessor(LogitsProcessor):
         ended = self._ended.get(key)
         if ended is None:
             ended = self._ended[key] = self._end_row(*key)
-        counter = self._aborted.get(scores.device)
+        where = (scores.device, threading.get_ident())
+        counter = self._aborted.get(where)
         if counter is None:
-            counter = self._aborted[scores.device] = torch.zeros(
+            counter = self._aborted[where] = torch.zeros(
                 (), dtype=torch.int64, device=scores.device
             )
         counter.add_(abort.sum())
@@ -95,7 +99,7 @@ class GuardLogitsProcessor(LogitsProcessor):
 
     def aborted_rows(self) -> int:
         """Rows ended with EOS so far (waits for the devices)."""
-        return sum(int(counter) for counter in self._aborted.values())
+        return sum(int(counter) for counter in list(self._aborted.values()))
 
     def __repr__(self) -> str:
         policy = f"abort_on={RowFlag(self.abort_flags)!r}" if self.abort_flags else "heal"

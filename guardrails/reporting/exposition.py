@@ -4,25 +4,30 @@
 later owners share it and `release_server()` stops it when no live owner needs it. In
 prometheus-client's multiprocess mode the server exposes the aggregate of every process's
 files, and a marker file in the shared directory tells sibling workers (same port, same
-directory) that this process serves them. `prometheus_client` is imported only inside
-functions, for the reason given in `guardrails.reporting.metrics`.
+directory) that this process serves them. A sibling believes a marker only when the process it
+names is listening on that port (read from the kernel's socket table): a stale marker whose pid
+was reused, or a port held by something else, is not a sibling. `prometheus_client` is
+imported only inside functions, for the reason given in `guardrails.reporting.metrics`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["multiprocess_dir", "release_server", "serve", "sibling_serves"]
+__all__ = ["Serving", "multiprocess_dir", "release_server", "serve", "sibling_serves"]
 
 
 def multiprocess_dir(environ: Mapping[str, str] | None = None) -> str | None:
@@ -38,16 +43,27 @@ class _Served:
     owners: weakref.WeakSet[Any]
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What `serve()` did: whether it started the server, and a contained marker failure
+    (the server serves regardless; only siblings cannot learn about it)."""
+
+    started: bool
+    marker_error: OSError | None = None
+
+
 _SERVERS: dict[tuple[str, int], _Served] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def serve(addr: str, port: int, registry: CollectorRegistry | None, owner: object) -> bool:
-    """Serve /metrics on `addr:port` for `owner`; True if this call started the server.
+def serve(addr: str, port: int, registry: CollectorRegistry | None, owner: object) -> Serving:
+    """Serve /metrics on `addr:port` for `owner`.
 
     A second owner asking for the same address and port shares the running server. In
     multiprocess mode the server exposes the aggregate of every process's files, as the host
-    engine's own /metrics does. A port that cannot be bound raises `OSError`.
+    engine's own /metrics does. A port that cannot be bound raises `OSError` (a bad address may
+    also raise `UnicodeError`, from the idna codec); a multiprocess directory that is not one
+    raises prometheus-client's `ValueError` before anything is bound.
     """
     from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
@@ -56,7 +72,7 @@ def serve(addr: str, port: int, registry: CollectorRegistry | None, owner: objec
         served = _SERVERS.get(key)
         if served is not None:
             served.owners.add(owner)
-            return False
+            return Serving(started=False)
         path = multiprocess_dir()
         if path is not None:
             from prometheus_client.multiprocess import MultiProcessCollector
@@ -66,26 +82,61 @@ def serve(addr: str, port: int, registry: CollectorRegistry | None, owner: objec
         else:
             exposed = REGISTRY if registry is None else registry
         server, thread = start_http_server(port, addr=addr, registry=exposed)
-        if path is not None:
-            # Tells sibling workers (same port, same directory) that this process serves them.
-            with open(_marker(path, port), "w", encoding="ascii") as handle:
-                handle.write(str(os.getpid()))
         _watch_forks()
         owners: weakref.WeakSet[Any] = weakref.WeakSet()
         owners.add(owner)
+        # Registered before the marker is written: whatever happens to the marker, this
+        # server has an owner that releases it (no thread serving on behind a raised error).
         _SERVERS[key] = _Served(server, thread, owners)
-        return True
+        marker_error = None
+        if path is not None:
+            try:
+                _write_marker(path, port)
+            except OSError as exc:
+                marker_error = exc
+        return Serving(started=True, marker_error=marker_error)
 
 
 def _marker(path: str, port: int) -> str:
     return os.path.join(path, f"guardrails_metrics_{port}.server")
 
 
-def sibling_serves(port: int, *, wait_s: float = 2.0) -> bool:
-    """Whether another live process of this multiprocess deployment serves `port`.
+def _write_marker(path: str, port: int) -> None:
+    # A new file renamed over the marker: a link planted at the marker's name is replaced,
+    # never followed (its target is never written), and a reader sees the old marker or the
+    # new one, never half of one. Not *.db: the collector reads only those.
+    fd, tmp = tempfile.mkstemp(prefix=".guardrails_metrics_", suffix=".tmp", dir=path)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as handle:
+            json.dump({"pid": os.getpid(), "port": port}, handle)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, _marker(path, port))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
-    The process that binds the port leaves a marker (its pid) in the shared
-    PROMETHEUS_MULTIPROC_DIR, which the collector ignores (it reads only *.db files). A worker
+
+def _marker_pid(path: str, port: int) -> int:
+    try:
+        # O_NOFOLLOW: a planted link is not a marker this code wrote.
+        fd = os.open(_marker(path, port), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, encoding="ascii") as handle:
+            data = json.loads(handle.read(4096))
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(data, dict) or data.get("port") != port:
+        return 0
+    pid = data.get("pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else 0
+
+
+def sibling_serves(port: int, *, wait_s: float = 2.0) -> bool:
+    """Whether another process of this multiprocess deployment serves `port`.
+
+    The process that binds the port leaves a marker (its pid and the port) in the shared
+    PROMETHEUS_MULTIPROC_DIR, which the collector ignores (it reads only *.db files). The
+    marker is believed only if that pid is another process listening on `port`. A worker
     that cannot bind waits briefly for the marker, since workers start together.
     """
     path = multiprocess_dir()
@@ -93,26 +144,47 @@ def sibling_serves(port: int, *, wait_s: float = 2.0) -> bool:
         return False
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            with open(_marker(path, port), encoding="ascii") as handle:
-                pid = int(handle.read().strip() or 0)
-        except (OSError, ValueError):
-            pid = 0
-        if pid and pid != os.getpid() and _alive(pid):
+        pid = _marker_pid(path, port)
+        if pid and pid != os.getpid() and listens_on(pid, port):
             return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def listens_on(pid: int, port: int, proc: str | os.PathLike[str] = "/proc") -> bool:
+    """Whether process `pid` holds a socket listening on TCP `port` (Linux `/proc`).
+
+    False where that cannot be read (another OS, a process of another user): an unproven
+    sibling is no sibling, and the port conflict stays an error.
+    """
+    root = Path(proc)
+    inodes: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (root / "net" / table).read_text(encoding="ascii").splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            # local_address is HEXIP:HEXPORT; st 0A is LISTEN; the inode is the 10th field.
+            if len(fields) > 9 and fields[3] == "0A" and fields[1].rpartition(":")[2]:
+                with contextlib.suppress(ValueError):
+                    if int(fields[1].rpartition(":")[2], 16) == port:
+                        inodes.add(fields[9])
+    if not inodes:
         return False
-    except PermissionError:
-        return True  # exists, owned by another user
-    return True
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    try:
+        fds = os.scandir(root / str(pid) / "fd")
+    except OSError:
+        return False
+    with fds:
+        for entry in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(entry.path) in wanted:
+                    return True
+    return False
 
 
 def release_server(owner: object) -> None:
@@ -125,9 +197,11 @@ def release_server(owner: object) -> None:
                 stopped.append(_SERVERS.pop(key))
     for served in stopped:
         path = multiprocess_dir()
-        if path is not None:
+        port = served.server.server_port
+        # Only a marker this process wrote: never another process's, nor what is planted there.
+        if path is not None and _marker_pid(path, port) == os.getpid():
             with contextlib.suppress(OSError):
-                os.remove(_marker(path, served.server.server_port))
+                os.remove(_marker(path, port))
         served.server.shutdown()
         served.server.server_close()
         served.thread.join(timeout=5)

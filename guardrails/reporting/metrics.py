@@ -7,6 +7,8 @@ Contract (metric names and labels are fixed; see the design brief):
                                                                    oob_token
     guardrails_guard_calls_total{site, rank}
     guardrails_reporting_errors_total{stage, rank}         stage: poll, metrics, logs
+    guardrails_guard_errors_total{site, reason, rank}      reason: dtype, shape, layout,
+                                                                   device, reference, error
 
 Plain `Counter`s incremented only by deltas, never a custom collector, so they work unchanged
 in prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`), where each process
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ERROR_STAGES",
+    "GUARD_ERROR_REASONS",
     "METRIC_LABELS",
     "METRIC_NAMES",
     "SLOT_SERIES",
@@ -49,6 +52,10 @@ SLOT_SERIES: Final[Mapping[CountKind, tuple[str, str]]] = {
     CountKind.ROWS_OOB_TOKEN: ("flagged_rows", "oob_token"),
 }
 ERROR_STAGES: Final = ("poll", "metrics", "logs")
+# Why a patched target's call went unguarded: the site refused the tensor's dtype, its shape
+# (no vocab dimension), its layout (sparse, nested, memory overlapping itself), its device
+# (meta, or not the site's), the configured reference does not fit the call, or anything else.
+GUARD_ERROR_REASONS: Final = ("dtype", "shape", "layout", "device", "reference", "error")
 
 # (attribute, name without `_total`, help, labels)
 _FAMILIES: Final = (
@@ -76,6 +83,12 @@ _FAMILIES: Final = (
         "Exceptions contained while reading counts, writing metrics or logging.",
         ("stage", "rank"),
     ),
+    (
+        "guard_errors",
+        "guardrails_guard_errors",
+        "Calls of a patched target left unguarded because the site refused the tensor.",
+        ("site", "reason", "rank"),
+    ),
 )
 METRIC_NAMES: Final = tuple(f"{name}_total" for _attr, name, _help, _labels in _FAMILIES)
 # Exported name -> label names: what dashboards and alert rules may select on.
@@ -86,12 +99,13 @@ METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
 
 @dataclass(frozen=True)
 class GuardMetrics:
-    """The four counter families of one registry, shared by every `Guardrails` using it."""
+    """The counter families of one registry, shared by every `Guardrails` using it."""
 
     nonfinite_values: Counter
     flagged_rows: Counter
     guard_calls: Counter
     reporting_errors: Counter
+    guard_errors: Counter
 
 
 # The families made for a registry are kept on the registry object itself (an attribute of

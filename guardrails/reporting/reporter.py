@@ -7,13 +7,18 @@ have completed (`DeviceCounts.latest()`), so nothing here waits for a device; `f
 
 - Metrics: the difference between the counts read now and those already reported becomes a
   counter increment; counts are never throttled, so the counters end exact.
-- Logs: one structlog event per site when new bad values arrive: the first at once, then at
-  most one per `reporting.log_interval_s`, carrying how many events it folds in
-  (`suppressed`). Fields are counts, names, dtype and shape: never tensor values.
-- Faults: an exception while reading counts, creating or writing a metric or logging never
-  reaches the guarded call (nor site creation); it is counted in
-  `guardrails_reporting_errors_total{stage}` and logged once. A series that cannot be created
-  (an unwritable multiprocess directory) is retried at each increment, so it catches up.
+- Logs: one event per site when new bad values arrive: the first at once, then at most one
+  per `reporting.log_interval_s`, carrying how many events it folds in (`suppressed`). Fields
+  are counts, names, dtype and shape: never tensor values. Events go to the host's logging
+  (`guardrails.logs.HostLogger`), and only after the reporter's lock is released: they are
+  decided (and the throttle advanced) under the lock, then delivered outside it, so a host
+  handler may call `poll()`, `flush()`, `close()` or make a site from inside an event.
+- Faults: an exception while reading counts, creating or writing a metric, serving /metrics
+  (other than a bind error, which is a `ConfigError` at start-up) or logging never reaches
+  the guarded call (nor site creation); it is counted in
+  `guardrails_reporting_errors_total{stage}` (a fault before the first site, once that series
+  exists) and logged once. A series that cannot be created (an unwritable multiprocess
+  directory) is retried at each increment, so it catches up.
 
 Why `every_calls` defaults to 32: a tick costs about 2-2.5 us of host time on the CPU
 (measured) and, on CUDA, a 40-byte pinned copy, an event record and an event query, about
@@ -27,25 +32,26 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import math
 import os
+import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
-
-import structlog
 
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind
-from guardrails.logs import configure_json_logs
+from guardrails.logs import HostLogger, configure_json_logs
 from guardrails.names import (
-    LOGGER_NAME,
     NO_VALID_TOKEN_EVENT,
     NONFINITE_EVENT,
     OOB_EVENT,
     REPORTING_ERROR_EVENT,
+    STARTED_EVENT,
 )
 from guardrails.reporting import exposition, metrics
 
@@ -80,6 +86,14 @@ class ReportedSite(Protocol):
     @property
     def last_shape(self) -> tuple[int, ...]: ...
 
+
+# An event decided under the lock, delivered after it: (logger method, event name, fields).
+_Event = tuple[str, str, dict[str, Any]]
+
+# Bind errors that are the address's fault, not the port's.
+_ADDRESS_ERRNOS: Final = frozenset(
+    {errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, getattr(errno, "EPFNOSUPPORT", errno.EAFNOSUPPORT)}
+)
 
 # The counts whose increase is news worth a log event (row counts follow from them).
 _NEWS: Final = frozenset(
@@ -135,7 +149,7 @@ class Reporter:
     """Turns the sites' device counts into metrics and log events, without a host sync.
 
     `registry` is the prometheus-client registry (default: the global one); `clock` drives
-    the log throttle; `logger` replaces `structlog.get_logger("guardrails")`.
+    the log throttle; `logger` replaces the host's logging (`guardrails.logs.HostLogger`).
     """
 
     def __init__(
@@ -149,15 +163,22 @@ class Reporter:
         self._settings = settings
         self._interval = settings.reporting.log_interval_s
         self._clock = clock
-        self._logger = structlog.get_logger(LOGGER_NAME) if logger is None else logger
-        self._lock = threading.Lock()
+        self._logger = HostLogger() if logger is None else logger
+        # Re-entrant, and never held while host code runs (log delivery happens after it is
+        # released). `_reporting` tells a re-entry on the holder's own thread (a signal
+        # handler, a finalizer run by the garbage collector) to return instead of working on
+        # half-updated state: the report in progress picks its counts up.
+        self._lock = threading.RLock()
+        self._reporting = False
         self._sites: dict[int, _SiteReport] = {}
         # Imports prometheus_client, first here: never at `import guardrails`, because it fixes
         # its multiprocess mode when first imported.
         self._metrics: GuardMetrics = metrics.guard_metrics(registry)
         self._rank: str | None = None
         self._errors: dict[str, Any] = {}
+        self._uncounted: Counter[str] = Counter()  # faults before the error series existed
         self._logged_faults: set[str] = set()
+        self._faults_lock = threading.Lock()  # guards the two above; held for no callback
         self._closed = False
         if settings.reporting.log_format == "json":
             configure_json_logs()
@@ -168,44 +189,95 @@ class Reporter:
 
     def _serve(self, registry: Any, addr: str, port: int) -> None:
         try:
-            exposition.serve(addr, port, registry, owner=self)
-        except OSError as exc:
-            # In multiprocess mode every worker inherits the same port, and one server shows
-            # every process's files: a worker whose sibling already serves that port is
-            # served by it. Anything else holding the port is still an error.
-            if exposition.sibling_serves(port):
-                self._logger.info(
-                    "guardrails.metrics_served_elsewhere",
-                    addr=addr,
-                    port=port,
-                    reason="multiprocess mode: another process serves the aggregate",
-                )
-                return
-            # At start-up, as a ConfigError naming the variable (or file key) that chose the
-            # port: the fix is a configuration change, and hosts already handle this error.
-            reason = exc.strerror or str(exc)
-            raise ConfigError(
+            serving = exposition.serve(addr, port, registry, owner=self)
+        except (OSError, UnicodeError) as exc:
+            self._bind_failed(addr, port, exc)
+            return
+        except Exception as exc:
+            # prometheus-client refusing the multiprocess directory (not a directory): the
+            # counters fail the same way and are contained; so is the server, which has
+            # nothing to aggregate.
+            self._fault("metrics", exc)
+            return
+        if serving.marker_error is not None:
+            # The server runs; only sibling workers cannot learn that it serves them.
+            self._fault("metrics", serving.marker_error)
+
+    def _bind_failed(self, addr: str, port: int, exc: OSError | UnicodeError) -> None:
+        # In multiprocess mode every worker inherits the same port, and one server shows
+        # every process's files: a worker whose sibling already serves that port is served by
+        # it. Anything else holding the port is still an error.
+        in_use = isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE
+        if in_use and exposition.sibling_serves(port):
+            self._deliver(
                 [
-                    Problem(
-                        self._settings.origin("metrics", "port"),
-                        f"cannot serve metrics on {addr}:{port}: {reason}",
-                        port,
-                        accepted="a free port, or 0 to leave /metrics to the host",
+                    (
+                        "info",
+                        "guardrails.metrics_served_elsewhere",
+                        {
+                            "addr": addr,
+                            "port": port,
+                            "reason": "multiprocess mode: another process serves the aggregate",
+                        },
                     )
                 ]
-            ) from exc
+            )
+            return
+        # At start-up, as a ConfigError naming the variable (or file key) that is at fault:
+        # the fix is a configuration change, and hosts already handle this error.
+        reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+        text = f"cannot serve metrics on {addr}:{port}: {reason}"
+        if isinstance(exc, socket.gaierror | UnicodeError) or (
+            isinstance(exc, OSError) and exc.errno in _ADDRESS_ERRNOS
+        ):
+            problem = Problem(
+                self._settings.origin("metrics", "addr"),
+                text,
+                addr,
+                accepted="an address of this host (127.0.0.1, ::1, 0.0.0.0) or its name",
+            )
+        else:
+            problem = Problem(
+                self._settings.origin("metrics", "port"),
+                text,
+                port,
+                accepted="a free port, or 0 to leave /metrics to the host",
+            )
+        raise ConfigError([problem]) from exc
 
-    # -- called by the sites --------------------------------------------------------------
+    # -- called by the service and the sites ----------------------------------------------
+
+    def started(self, warnings: Sequence[str] = ()) -> None:
+        """Log the start-up event: what guards, what is off, what to look at (`warnings`)."""
+        settings = self._settings
+        config = settings.config_file
+        fields: dict[str, Any] = {
+            "enabled": settings.enabled,
+            "sanitize": settings.sanitize,
+            "async_assert": settings.async_assert,
+            "sites": list(settings.enabled_sites),
+            "disabled_sites": list(settings.disabled_sites),
+            "metrics_port": settings.metrics.port,
+            "metrics_addr": settings.metrics.addr if settings.metrics.port else None,
+            "config_file": None if config is None else str(config),
+            "warnings": list(warnings),
+        }
+        # Best effort, not counted: a logger that fails here fails on the first real event
+        # too, which is counted and logged with its own error.
+        with contextlib.suppress(Exception):
+            getattr(self._logger, "warning" if warnings else "info")(STARTED_EVENT, **fields)
 
     def register(self, site: ReportedSite) -> None:
         """A site was created: its series exist at 0 from now on."""
+        outbox: list[_Event] = []
         with self._lock:
             report = self._report_for(site)
-            rank = self._resolve_rank()
+            rank = self._resolve_rank(outbox)
             family = self._metrics
             for i, kind in enumerate(site.slots):
-                report.children[i] = self._child_for(kind, site, rank, family)
-            report.calls_child = self._series(family.guard_calls, site=site.name, rank=rank)
+                report.children[i] = self._child_for(kind, site, rank, family, outbox)
+            report.calls_child = self._series(family.guard_calls, outbox, site=site.name, rank=rank)
+        self._deliver(outbox)
 
     def track(self, site: ReportedSite, counts: DeviceCounts) -> None:
         """A site got buffers on a new device."""
@@ -239,17 +311,35 @@ class Reporter:
         if self._settings.metrics.port:
             exposition.release_server(self)
 
-    # -- internals (hold self._lock) ------------------------------------------------------
+    # -- internals ------------------------------------------------------------------------
 
     def _report_locked(self, *, exact: bool, wait: bool = True) -> None:
         if self._closed or not self._lock.acquire(blocking=wait):
             return
+        outbox: list[_Event] = []
         try:
-            self._report(exact=exact)
-        except Exception as exc:
-            self._fault("poll", exc)
+            if self._reporting:
+                return  # re-entered on this thread mid-report: that report covers it
+            self._reporting = True
+            try:
+                self._report(exact=exact, outbox=outbox)
+            except Exception as exc:
+                self._fault("poll", exc, outbox)
+            finally:
+                self._reporting = False
         finally:
             self._lock.release()
+        self._deliver(outbox)
+
+    def _deliver(self, outbox: list[_Event]) -> None:
+        """Hand events to the logger; called with no guardrails lock held."""
+        for method, event, fields in outbox:
+            try:
+                getattr(self._logger, method)(event, **fields)
+            except Exception as exc:
+                if event == REPORTING_ERROR_EVENT:
+                    continue  # the logger is what failed; the fault is counted already
+                self._fault("logs", exc)
 
     def _report_for(self, site: ReportedSite) -> _SiteReport:
         report = self._sites.get(id(site))
@@ -257,19 +347,32 @@ class Reporter:
             report = self._sites[id(site)] = _SiteReport(site)
         return report
 
-    def _resolve_rank(self) -> str:
+    def _resolve_rank(self, outbox: list[_Event]) -> str:
         # Read when the first site is made, not at construction: engines usually build their
         # sites after torch.distributed is initialised, but may build guardrails before.
         if self._rank is None:
             self._rank = metrics.resolve_rank()
-            for stage in metrics.ERROR_STAGES:
-                self._errors[stage] = self._series(
-                    self._metrics.reporting_errors, stage=stage, rank=self._rank
+            errors = {
+                stage: self._series(
+                    self._metrics.reporting_errors, outbox, stage=stage, rank=self._rank
                 )
+                for stage in metrics.ERROR_STAGES
+            }
+            with self._faults_lock:
+                self._errors = errors
+                uncounted, self._uncounted = self._uncounted, Counter()
+            for stage, n in uncounted.items():
+                with contextlib.suppress(Exception):
+                    errors[stage].inc(n)
         return self._rank
 
     def _child_for(
-        self, kind: CountKind, site: ReportedSite, rank: str, family: GuardMetrics
+        self,
+        kind: CountKind,
+        site: ReportedSite,
+        rank: str,
+        family: GuardMetrics,
+        outbox: list[_Event],
     ) -> Any:
         series = metrics.SLOT_SERIES.get(kind)
         if series is None:
@@ -278,10 +381,12 @@ class Reporter:
         if kind is CountKind.NEGINF and not site.counts_neginf:
             return _Lazy(family.nonfinite_values, site=site.name, kind=label, rank=rank)
         if attr == "nonfinite_values":
-            return self._series(family.nonfinite_values, site=site.name, kind=label, rank=rank)
-        return self._series(family.flagged_rows, site=site.name, reason=label, rank=rank)
+            return self._series(
+                family.nonfinite_values, outbox, site=site.name, kind=label, rank=rank
+            )
+        return self._series(family.flagged_rows, outbox, site=site.name, reason=label, rank=rank)
 
-    def _series(self, family: Any, **labels: str) -> _Lazy:
+    def _series(self, family: Any, outbox: list[_Event], **labels: str) -> _Lazy:
         # Made now, so that it exists at 0 from the start. prometheus-client creates a
         # multiprocess file here; if that fails, site creation (maybe inside the first
         # sampling call) must not: the series is made at its first increment instead.
@@ -289,14 +394,15 @@ class Reporter:
         try:
             series.create()
         except Exception as exc:
-            self._fault("metrics", exc)
+            self._fault("metrics", exc, outbox)
         return series
 
-    def _report(self, *, exact: bool) -> None:
-        for report in self._sites.values():
-            self._report_site(report, exact=exact)
+    def _report(self, *, exact: bool, outbox: list[_Event]) -> None:
+        # A copy of the list: a site made by a re-entrant call (see `_lock`) is not iterated.
+        for report in list(self._sites.values()):
+            self._report_site(report, exact=exact, outbox=outbox)
 
-    def _report_site(self, report: _SiteReport, *, exact: bool) -> None:
+    def _report_site(self, report: _SiteReport, *, exact: bool, outbox: list[_Event]) -> None:
         calls = report.site.calls
         # On the CPU the counts only change with calls, and reading them is most of the cost
         # of a poll: a site not called since the last look, with nothing left to log, is done.
@@ -315,25 +421,25 @@ class Reporter:
                     # CUDA graph makes no Python call that would ask for one (no-op on CPU).
                     counts.request()
             except Exception as exc:
-                self._fault("poll", exc)
+                self._fault("poll", exc, outbox)
                 continue
             for i, value in enumerate(values):
                 delta = value - base[i]
                 # A copy older than what was reported (an exact read overtook it) is <= 0.
-                if delta > 0 and self._increment(report.children[i], delta):
+                if delta > 0 and self._increment(report.children[i], delta, outbox):
                     base[i] = value
                     report.totals[i] += delta
                     if i in report.news:
                         fresh = True
         report.seen_calls = calls
         delta_calls = calls - report.reported_calls
-        if delta_calls > 0 and self._increment(report.calls_child, delta_calls):
+        if delta_calls > 0 and self._increment(report.calls_child, delta_calls, outbox):
             report.reported_calls = calls
         if fresh or report.unlogged:
             report.unlogged = True
-            self._maybe_log(report, fresh=fresh, final=exact)
+            self._maybe_log(report, fresh=fresh, final=exact, outbox=outbox)
 
-    def _increment(self, child: Any, delta: int) -> bool:
+    def _increment(self, child: Any, delta: int, outbox: list[_Event]) -> bool:
         if child is None:
             return True  # a count that only appears in log events
         try:
@@ -341,11 +447,13 @@ class Reporter:
         except Exception as exc:
             # Not marked reported: retried on the next poll, so the counter still ends exact
             # once the fault clears.
-            self._fault("metrics", exc)
+            self._fault("metrics", exc, outbox)
             return False
         return True
 
-    def _maybe_log(self, report: _SiteReport, *, fresh: bool, final: bool) -> None:
+    def _maybe_log(
+        self, report: _SiteReport, *, fresh: bool, final: bool, outbox: list[_Event]
+    ) -> None:
         # The throttle is checked before anything is built for the event.
         now = self._clock()
         if not final and now < report.next_log_at:
@@ -353,17 +461,18 @@ class Reporter:
                 report.suppressed += 1
             return
         try:
-            self._emit(report)
+            outbox.append(self._event(report))
         except Exception as exc:
-            self._fault("logs", exc)
-        # Advanced even when logging failed: a broken logger must not be retried per call.
+            self._fault("logs", exc, outbox)
+        # Advanced now, whether or not delivery works: the throttle state is exact under the
+        # lock, and a broken logger must not be retried per call.
         report.next_log_at = now + self._interval
         report.logged = list(report.totals)
         report.logged_calls = report.reported_calls
         report.suppressed = 0
         report.unlogged = False
 
-    def _emit(self, report: _SiteReport) -> None:
+    def _event(self, report: _SiteReport) -> _Event:
         site = report.site
         fields: dict[str, Any] = {"site": site.name, "rank": self._rank}
         deltas: dict[CountKind, int] = {}
@@ -391,30 +500,39 @@ class Reporter:
             shape=list(site.last_shape),
             suppressed=report.suppressed,
         )
-        getattr(self._logger, level)(event, **fields)
+        return level, event, fields
 
-    def _fault(self, stage: str, exc: Exception) -> None:
-        child = self._errors.get(stage)
+    def _fault(self, stage: str, exc: Exception, outbox: list[_Event] | None = None) -> None:
+        """Count a contained fault and log it once per stage: into `outbox` when called under
+        the lock, else at once."""
+        with self._faults_lock:
+            child = self._errors.get(stage)
+            if child is None:
+                self._uncounted[stage] += 1
+            first = stage not in self._logged_faults
+            self._logged_faults.add(stage)
         if child is not None:
             # The metrics themselves may be what failed; the log below still says so.
             with contextlib.suppress(Exception):
                 child.inc()
-        if stage in self._logged_faults:
+        if not first:
             return
-        self._logged_faults.add(stage)
-        # The logger may be what failed; the counter above already records it.
-        with contextlib.suppress(Exception):
-            self._logger.error(
-                REPORTING_ERROR_EVENT,
-                stage=stage,
-                error=f"{type(exc).__name__}: {exc}",
-                rank=self._rank,
-            )
+        event: _Event = (
+            "error",
+            REPORTING_ERROR_EVENT,
+            {"stage": stage, "error": f"{type(exc).__name__}: {exc}", "rank": self._rank},
+        )
+        if outbox is not None:
+            outbox.append(event)
+        else:
+            self._deliver([event])
 
     def _after_fork_in_child(self) -> None:
         # The parent reports what was counted before the fork; a forked child reports only
         # its own calls (in multiprocess mode both write their own files, which are summed).
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._reporting = False
+        self._faults_lock = threading.Lock()
         for report in self._sites.values():
             report.reported_calls = report.logged_calls = report.site.calls
             for counts, base in report.devices:

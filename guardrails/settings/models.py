@@ -5,18 +5,26 @@ file named by `GUARDRAILS_CONFIG_FILE` (or the `config_file` argument) > default
 a frozen snapshot; nothing re-reads the environment afterwards.
 
 Every bad value is collected and raised together as one `ConfigError` that names its origin
-(variable, file key or argument) and the accepted values. An unknown `GUARDRAILS_*` variable,
-an unknown file key and an unknown site name in an enable list are errors too, each with the
-closest valid name. No value, however malformed, silently switches protection off: only
-`GUARDRAILS_ENABLED=false` does that.
+(variable, file key or argument) and the accepted values: the checks that need several fields
+(enable lists against the declared sites, replacement values against dtypes and
+min_temperature) run on every part that validated, also when another part did not, so one run
+reports every problem. An unknown `GUARDRAILS_*` variable, an unknown file key and an unknown
+site name in an enable list are errors too, each with the closest valid name. No value,
+however malformed, silently switches protection off: only `GUARDRAILS_ENABLED=false` does
+that. What is valid but worth a look (every site off, a `[sites]` section that no site uses, a
+metrics server reachable from other hosts) is in `notices`, which the start-up event and
+`guardrails check` report as warnings.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
+import ipaddress
 import math
 import os
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +33,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -35,7 +44,7 @@ from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import RowFlag
 from guardrails.names import KNOWN_SITES, validate_site_name
 from guardrails.settings.problems import closest, problems_from, site_hint
-from guardrails.settings.schema import field_meta, part
+from guardrails.settings.schema import field_meta, part, plain
 from guardrails.settings.sources import COLLECTOR, Collector, EnvSource, FileSource, InitSource
 from guardrails.settings.targets import REF_SYNTAX, TARGET_SYNTAX, parse_ref, parse_target
 
@@ -61,6 +70,39 @@ def _no_float_switch(value: object) -> object:
     if isinstance(value, float):
         raise ValueError("a switch takes true or false, not a float")
     return value
+
+
+def _no_bool_count(value: object) -> object:
+    # pydantic's lax int takes true/false (from TOML) as 1/0: `every_calls = true` is no count.
+    if isinstance(value, bool):
+        raise ValueError("a number is needed here, not true/false")
+    return value
+
+
+# RFC 1123 host name labels; the idna codec refuses longer ones with a UnicodeError at bind.
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _bind_address(addr: str) -> str:
+    with_zone = addr.partition("%")[0] if ":" in addr else addr
+    try:
+        ipaddress.ip_address(with_zone)
+    except ValueError:
+        name = addr.removesuffix(".")
+        if not (0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(p) for p in name.split("."))):
+            raise ValueError(
+                "not an IP address nor a host name (labels of 1-63 letters, digits and '-', "
+                "253 characters in all)"
+            ) from None
+    return addr
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.partition("%")[0]).is_loopback
+    except ValueError:
+        name = addr.removesuffix(".").lower()
+        return name == "localhost" or name.endswith(".localhost")
 
 
 class _Frozen(BaseModel):
@@ -128,6 +170,11 @@ class SiteSettings(_Frozen):
     def _site_switch(cls, value: object) -> object:
         return _no_float_switch(value)
 
+    @field_validator("replacement_id", mode="before")
+    @classmethod
+    def _id_count(cls, value: object) -> object:
+        return _no_bool_count(value)
+
     @field_validator("abort_on")
     @classmethod
     def _known_flags(cls, names: tuple[str, ...]) -> tuple[str, ...]:
@@ -176,6 +223,11 @@ class AttachSettings(_Frozen):
     @classmethod
     def _site_name(cls, name: str) -> str:
         return validate_site_name(name)
+
+    @field_validator("vocab_size", mode="before")
+    @classmethod
+    def _vocab_count(cls, value: object) -> object:
+        return _no_bool_count(value)
 
     @field_validator("target")
     @classmethod
@@ -238,6 +290,11 @@ class ReportingSettings(_Frozen):
         ),
     ] = 32
 
+    @field_validator("every_calls", mode="before")
+    @classmethod
+    def _calls_count(cls, value: object) -> object:
+        return _no_bool_count(value)
+
 
 class MetricsSettings(_Frozen):
     """Prometheus exposition: the `[metrics]` table."""
@@ -259,6 +316,16 @@ class MetricsSettings(_Frozen):
             **field_meta("an IP address or host name", "bind address of the /metrics server"),
         ),
     ] = "127.0.0.1"
+
+    @field_validator("port", mode="before")
+    @classmethod
+    def _port_number(cls, value: object) -> object:
+        return _no_bool_count(value)
+
+    @field_validator("addr")
+    @classmethod
+    def _address(cls, addr: str) -> str:
+        return _bind_address(addr)
 
 
 class GuardSettings(BaseSettings):
@@ -325,6 +392,7 @@ class GuardSettings(BaseSettings):
     attach: tuple[AttachSettings, ...] = ()
 
     _origins: dict[tuple[str, ...], str] = PrivateAttr(default_factory=dict)
+    _notices: tuple[Problem, ...] = PrivateAttr(default=())
 
     def __init__(self, *, environ: Mapping[str, str] | None = None, **values: Any) -> None:
         collector = Collector(os.environ if environ is None else environ, values)
@@ -338,14 +406,16 @@ class GuardSettings(BaseSettings):
                 problems = [
                     *collector.problems,
                     *problems_from(exc, GuardSettings, collector.where),
+                    *_semantic_problems(collector.merged(), collector.where),
                 ]
                 raise ConfigError(problems) from None
         finally:
             COLLECTOR.reset(token)
-        problems = [*collector.problems, *self._semantic_problems(collector)]
+        problems = [*collector.problems, *_semantic_problems(collector.merged(), collector.where)]
         if problems:
             raise ConfigError(problems)
         self._origins = collector.origins
+        self._notices = tuple(self._notice_problems(collector.where))
 
     @classmethod
     def settings_customise_sources(
@@ -363,62 +433,50 @@ class GuardSettings(BaseSettings):
     def _switch(cls, value: object) -> object:
         return _no_float_switch(value)
 
-    # -- semantic checks that need several fields at once --------------------------------
+    # -- valid, but worth a word ---------------------------------------------------------
 
-    def _semantic_problems(self, collector: Collector) -> Iterator[Problem]:
-        declared = set(KNOWN_SITES) | set(self.sites) | {point.site for point in self.attach}
-        kinds: dict[str, tuple[str, int]] = {}
-        for index, point in enumerate(self.attach):
-            first = kinds.setdefault(point.site, (point.kind, index))
-            if first[0] != point.kind:
-                yield Problem(
-                    collector.where(("attach", index, "kind")),
-                    f"site {point.site!r} is a {first[0]} site in attach[{first[1]}]",
-                    point.kind,
-                    accepted="one kind per site name",
-                )
-        for field_name, entries in (
-            ("enabled_sites", self.enabled_sites),
-            ("disabled_sites", self.disabled_sites),
+    def _notice_problems(self, where: Callable[[tuple[str | int, ...]], str]) -> Iterator[Problem]:
+        attach_sites = {point.site for point in self.attach}
+        if not self.enabled:
+            yield Problem(where(("enabled",)), "guardrails is switched off: every site is a no-op")
+        elif not any(
+            self.is_site_enabled(name) for name in {*KNOWN_SITES, *self.sites, *attach_sites}
         ):
-            where = collector.where((field_name,))
-            if field_name == "enabled_sites" and not entries:
-                yield Problem(
-                    where,
-                    "empty enable list would switch every site off; use GUARDRAILS_ENABLED=false "
-                    "to disable guardrails",
-                    accepted="site names or glob patterns, default '*'",
-                )
-            for entry in entries:
-                if any(ch in entry for ch in "*?["):
-                    if not any(fnmatch.fnmatchcase(name, entry) for name in declared):
-                        yield Problem(
-                            where,
-                            f"pattern {entry!r} matches no known site" + closest(entry, declared),
-                            accepted=site_hint(),
-                        )
-                elif entry not in declared:
-                    yield Problem(
-                        where,
-                        f"unknown site {entry!r}" + closest(entry, declared),
-                        accepted=site_hint(),
-                    )
-        for name, site in self.sites.items():
-            for key in ("nan_value", "posinf_value"):
-                value = getattr(site, key)
-                if value is None:
-                    continue
-                # Late: settings are usable (and testable) without paying torch's import.
-                from guardrails.kernels.values import replacement_problem
+            yield Problem(
+                where(("disabled_sites",)),
+                "switches every site off: nothing is guarded",
+                plain(self.disabled_sites, sep=","),
+                accepted="GUARDRAILS_ENABLED=false, to say so plainly",
+            )
+        listed = {*self.enabled_sites, *self.disabled_sites}
+        exact = {entry for entry in listed if not any(ch in entry for ch in "*?[")}
+        patterns = {entry for entry in listed - exact if entry != "*"}
+        for name in self.sites:
+            if name in KNOWN_SITES or name in attach_sites or name in exact:
+                continue
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+                continue
+            candidates = {*KNOWN_SITES, *attach_sites, *exact} - {name}
+            yield Problem(
+                where(("sites", name)),
+                f"[sites.{_quoted(name)}] is no known site, no [[attach]] site and in no enable "
+                "list: it applies only if code asks for a site of that name"
+                + closest(name, candidates),
+                accepted=site_hint(),
+            )
+        if self.metrics.port and not _is_loopback(self.metrics.addr):
+            yield Problem(
+                where(("metrics", "addr")),
+                f"/metrics is served on {self.metrics.addr}:{self.metrics.port}, reachable from "
+                "other hosts",
+                self.metrics.addr,
+                accepted="127.0.0.1 (the default) to serve this host only",
+            )
 
-                message = replacement_problem(key, value, site.dtypes, self.min_temperature)
-                if message:
-                    yield Problem(
-                        collector.where(("sites", name, key)),
-                        message,
-                        value,
-                        accepted="a smaller magnitude, or restrict this site's dtypes",
-                    )
+    @property
+    def notices(self) -> tuple[Problem, ...]:
+        """Valid settings worth a warning (see the module docstring); empty when all is plain."""
+        return self._notices
 
     # -- derived views --------------------------------------------------------------------
 
@@ -456,3 +514,116 @@ class GuardSettings(BaseSettings):
             if found is not None and found.startswith("argument"):
                 return found
         return "default"
+
+
+# -- checks that need several fields at once -----------------------------------------------
+
+
+def _quoted(name: str) -> str:
+    return f'"{name}"' if "." in name else name
+
+
+def _raw(entry: object, key: str) -> object:
+    if isinstance(entry, Mapping):
+        return entry.get(key)
+    return getattr(entry, key, None) if isinstance(entry, BaseModel) else None
+
+
+def _valid(model: type[BaseModel], raw: object) -> Any:
+    """`raw` validated as `model`, or None where it is not valid (pydantic reports why)."""
+    if isinstance(raw, model):
+        return raw
+    try:
+        return model.model_validate(raw)
+    except ValidationError:
+        return None
+
+
+@functools.cache
+def _adapter(name: str) -> TypeAdapter[Any]:
+    info = GuardSettings.model_fields[name]
+    # The field's type with its constraints (gt=0, allow_inf_nan=False), as the model has it.
+    annotated: Any = Annotated[info.annotation, info]
+    return TypeAdapter(annotated)
+
+
+def _field(data: Mapping[str, Any], name: str) -> Any:
+    """The validated value of a top-level field (its default if absent), None if invalid."""
+    if name not in data:
+        return GuardSettings.model_fields[name].get_default(call_default_factory=True)
+    try:
+        return _adapter(name).validate_python(data[name])
+    except ValidationError:
+        return None
+
+
+def _semantic_problems(
+    data: Mapping[str, Any], where: Callable[[tuple[str | int, ...]], str]
+) -> Iterator[Problem]:
+    """Problems across fields, on the merged raw values: each part is used if it validates on
+    its own, so these checks run (and report) also when another part is invalid."""
+    raw_attach = data.get("attach", ())
+    raw_points = list(raw_attach) if isinstance(raw_attach, list | tuple) else []
+    raw_sites = data.get("sites", {})
+    tables: Mapping[Any, Any] = raw_sites if isinstance(raw_sites, Mapping) else {}
+    attach_sites = {site for p in raw_points if isinstance(site := _raw(p, "site"), str)}
+    declared = set(KNOWN_SITES) | {n for n in tables if isinstance(n, str)} | attach_sites
+    kinds: dict[str, tuple[str, int]] = {}
+    for index, raw in enumerate(raw_points):
+        point = _valid(AttachSettings, raw)
+        if point is None:
+            continue
+        first = kinds.setdefault(point.site, (point.kind, index))
+        if first[0] != point.kind:
+            yield Problem(
+                where(("attach", index, "kind")),
+                f"site {point.site!r} is a {first[0]} site in attach[{first[1]}]",
+                point.kind,
+                accepted="one kind per site name",
+            )
+    for field_name in ("enabled_sites", "disabled_sites"):
+        entries = _field(data, field_name)
+        if entries is None:
+            continue
+        at = where((field_name,))
+        if field_name == "enabled_sites" and not entries:
+            yield Problem(
+                at,
+                "empty enable list would switch every site off; use GUARDRAILS_ENABLED=false "
+                "to disable guardrails",
+                accepted="site names or glob patterns, default '*'",
+            )
+        for entry in entries:
+            if any(ch in entry for ch in "*?["):
+                if not any(fnmatch.fnmatchcase(name, entry) for name in declared):
+                    yield Problem(
+                        at,
+                        f"pattern {entry!r} matches no known site" + closest(entry, declared),
+                        accepted=site_hint(),
+                    )
+            elif entry not in declared:
+                yield Problem(
+                    at, f"unknown site {entry!r}" + closest(entry, declared), accepted=site_hint()
+                )
+    min_temperature = _field(data, "min_temperature")
+    if min_temperature is None:
+        return  # its own problem is reported; the replacement bounds depend on it
+    for name, raw in tables.items():
+        site = _valid(SiteSettings, raw)
+        if site is None:
+            continue
+        for key in ("nan_value", "posinf_value"):
+            value = getattr(site, key)
+            if value is None:
+                continue
+            # Late: settings are usable (and testable) without paying torch's import.
+            from guardrails.kernels.values import replacement_problem
+
+            message = replacement_problem(key, value, site.dtypes, min_temperature)
+            if message:
+                yield Problem(
+                    where(("sites", name, key)),
+                    message,
+                    value,
+                    accepted="a smaller magnitude, or restrict this site's dtypes",
+                )

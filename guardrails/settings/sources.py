@@ -66,6 +66,17 @@ class Collector:
         self.origins: dict[tuple[str, ...], str] = {}
         self.problems: list[Problem] = []
         self.file: Path | None = None
+        # What each source supplied, first (highest precedence) first.
+        self.layers: list[Mapping[str, Any]] = []
+
+    def merged(self) -> dict[str, Any]:
+        """The sources' values merged as pydantic-settings merges them: tables key by key,
+        anything else whole, first source wins. Raw: for checks that still run when
+        validation failed."""
+        out: dict[str, Any] = {}
+        for layer in reversed(self.layers):
+            out = _deep_update(out, layer)
+        return out
 
     def where(self, loc: tuple[str | int, ...]) -> str:
         path = tuple(part(p) for p in loc)
@@ -79,6 +90,17 @@ class Collector:
 # The collector of the construction in progress: pydantic-settings builds the sources, so
 # this is how they find it.
 COLLECTOR: contextvars.ContextVar[Collector] = contextvars.ContextVar("guardrails_settings")
+
+
+def _deep_update(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        below = out.get(key)
+        if isinstance(value, Mapping) and isinstance(below, Mapping):
+            out[key] = _deep_update(below, value)
+        else:
+            out[key] = value
+    return out
 
 
 def _set_path(out: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
@@ -133,6 +155,7 @@ class EnvSource(PydanticBaseSettingsSource):
                 continue  # an empty path means "no file", as templated pod specs produce
             _set_path(out, var.path, value)
             collector.origins.setdefault(var.path, key)
+        collector.layers.append(out)
         return out
 
 
@@ -194,6 +217,7 @@ class FileSource(PydanticBaseSettingsSource):
             del data["config_file"]
         for leaf in leaves(data):
             collector.origins.setdefault(leaf, f"{path}: {dotted(leaf)}")
+        collector.layers.append(data)
         return data
 
 
@@ -210,4 +234,5 @@ class InitSource(PydanticBaseSettingsSource):
             if isinstance(value, Mapping) or is_table_list(value):
                 for leaf in leaves({key: value}):
                     collector.origins[leaf] = f"argument {dotted(leaf)}"
+        collector.layers.append(collector.kwargs)
         return dict(collector.kwargs)

@@ -137,7 +137,7 @@ def test_metrics_server_serves_every_process_in_multiprocess_mode(multiproc_dir:
     server = start(env, 1, 2, 1, "exit", serve=True)
     try:
         assert server.stdout is not None
-        # structlog's unconfigured default prints events to stdout, before "ready".
+        # Skip whatever the worker printed before "ready" (its events go to stderr).
         lines = iter(server.stdout.readline, "")
         assert "ready" in (line.strip() for line in lines)
         url = f"http://127.0.0.1:{port}/metrics"

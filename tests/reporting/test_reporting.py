@@ -556,8 +556,9 @@ def test_json_helper_writes_one_json_object_per_line(
     guards = fresh_guardrails(registry=registry, reporting={"every_calls": 1})
     guards.site(LOGITS)(dirty())
     guards.close()
-    [line] = capsys.readouterr().err.strip().splitlines()
-    record = json.loads(line)
+    records = [json.loads(line) for line in capsys.readouterr().err.strip().splitlines()]
+    assert [r["event"] for r in records] == ["guardrails.started", "guardrails.nonfinite_logits"]
+    record = records[1]
     assert (record["event"], record["site"], record["nan"], record["level"]) == (
         "guardrails.nonfinite_logits",
         LOGITS,

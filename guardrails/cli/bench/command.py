@@ -1,13 +1,16 @@
 """`guardrails bench`: the guard side by side with the SGLang-style sanitizer and the floor.
 
-Prints the ratio table and the issue's targets, and writes the full result (machine, versions,
-every median) as JSON into `--out` (default `benchmarks/results`). `--smoke` runs tiny tensors
-in a few seconds, to check that the benchmark works, not to measure.
+Prints the ratio table (once: progress goes to stderr as one short line per case) and the
+issue's targets, and, only when asked with `--out DIR`, writes the full result (machine,
+versions, every median) as JSON there. `--smoke` runs tiny tensors in a few seconds, to check
+that the benchmark works, not to measure. A machine already busy (load average above half its
+cores) gets a warning first: its timings would be noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,14 +27,20 @@ def register(sub: Any) -> None:
         "--device", default="auto", help="cpu, cuda or auto (cuda when available; default)"
     )
     parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results"), help="directory for the JSON"
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write the full result as JSON into DIR (e.g. benchmarks/results)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny tensors, a few seconds")
     parser.add_argument(
         "--batches", type=_batches, default=None, help="comma-separated batch sizes (1,8,64,256)"
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per case")
-    parser.add_argument("--no-json", action="store_true", help="print only, write no file")
+    parser.add_argument(
+        "--no-json", action="store_true", help="write no file, even with --out (the default)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -43,6 +52,26 @@ def _batches(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"batch sizes must be >= 1; got {text!r}")
     return values
+
+
+def load_warning(load: float, cores: int) -> str | None:
+    """A warning when the 1-minute load average says other work competes for the cores."""
+    if load <= 0.5 * cores:
+        return None
+    return (
+        f"guardrails bench: warning: this machine is busy (load average {load:.2f} on "
+        f"{cores} core{'s' if cores != 1 else ''}); timings will be noisy, run it on a quiet one"
+    )
+
+
+def _check_load() -> None:
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return
+    warning = load_warning(load, os.cpu_count() or 1)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,13 +100,23 @@ def run(args: argparse.Namespace) -> int:
             print("guardrails bench: --repeats must be >= 1", file=sys.stderr)
             return 2
         config = dataclasses.replace(config, repeats=args.repeats)
-    result = bench.run(config, progress=lambda line: print(line, flush=True))
-    print()
+    _check_load()
+    total = len(config.dtypes) * len(config.batches) * 2
+    done = [0]
+
+    def progress(row: str) -> None:
+        done[0] += 1
+        dtype, batch, state = row.split()[:3]
+        print(
+            f"measured {dtype} B={batch} {state} ({done[0]}/{total})", file=sys.stderr, flush=True
+        )
+
+    result = bench.run(config, progress=progress)
     print(bench.format_table(result))
     if not args.smoke:  # tiny tensors say nothing about the targets
         print()
         print(bench.summary(result))
-    if not args.no_json:
+    if args.out is not None and not args.no_json:
         path = bench.write_json(result, args.out)
         print(f"\nwrote {path}")
     return 0
