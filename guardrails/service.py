@@ -15,6 +15,7 @@ whichever comes first) its reporter flushes exact totals. Only the reporter is k
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -73,6 +74,7 @@ class Guardrails:
         # Dropped without close(): flush when collected, or at exit. A bound method of the
         # reporter, never of self, so that it does not keep this instance alive.
         self._finalizer = weakref.finalize(self, self._reporter.flush)
+        _watch_forks(self)
         self._reporter.started(startup_warnings(self.settings))
 
     @classmethod
@@ -319,6 +321,29 @@ def startup_warnings(settings: GuardSettings) -> list[str]:
 
 _default: Guardrails | None = None
 _default_lock = threading.Lock()
+
+# Live instances, for the fork hook; weak, so a dropped instance is still collected.
+_instances: weakref.WeakSet[Guardrails] = weakref.WeakSet()
+_fork_hook = False
+
+
+def _watch_forks(guards: Guardrails) -> None:
+    # Installed with the first instance, not at import: importing guardrails has no effects.
+    global _fork_hook
+    _instances.add(guards)
+    if not _fork_hook and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_hook = True
+
+
+def _after_fork_in_child() -> None:
+    # The forking thread is the child's only thread: a lock another thread held at the fork
+    # (creating a site, patching) would never be released there.
+    global _default_lock
+    _default_lock = threading.Lock()
+    for guards in list(_instances):
+        guards._lock = threading.Lock()
+        guards._patches_lock = threading.RLock()
 
 
 def default() -> Guardrails:

@@ -43,7 +43,7 @@ from guardrails.attach.handles import Handle, SiteCall
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved, namespace, reader, resolve, vocab_of
 from guardrails.exceptions import TensorTypeError, TensorValueError
-from guardrails.names import GUARD_ERROR_EVENT, LOGGER_NAME
+from guardrails.names import GUARD_ERROR_EVENT
 
 if TYPE_CHECKING:
     from guardrails.settings import GuardSettings
@@ -66,7 +66,8 @@ class GuardErrors:
     """Where the patches of one `Guardrails` count the calls they leave unguarded.
 
     `registry` and `logger` are the owner's (None: prometheus-client's global registry,
-    `structlog.get_logger("guardrails")`). Holds no lock: the once-per-(site, reason) log is
+    `guardrails.logs.HostLogger`: the host's structlog or the standard library's "guardrails"
+    logger). Holds no lock: the once-per-(site, reason) log is
     decided by one atomic `dict.setdefault`, so nothing is held while host code (metrics,
     logging) runs, and a forked child inherits nothing locked. A failing registry or logger
     is swallowed: the engine's call must go on.
@@ -75,9 +76,9 @@ class GuardErrors:
     def __init__(self, registry: Any = None, logger: Any = None) -> None:
         self._registry = registry
         if logger is None:
-            import structlog
+            from guardrails.logs import HostLogger  # late: structlog only when it logs
 
-            logger = structlog.get_logger(LOGGER_NAME)
+            logger = HostLogger()
         self._logger = logger
         self._family: Any = None
         self._rank = "0"

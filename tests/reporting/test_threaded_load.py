@@ -1,6 +1,6 @@
 """Load: 100,000 guarded calls with random injections from 4 threads.
 
-Each thread drives its own site (a site's flags buffer belongs to one caller at a time), all
+Each thread drives its own site (threads sharing one: tests/system/test_threads_and_fork.py), all
 through one `Guardrails` and one reporter, ticking every 8 calls so that threads constantly
 meet in the reporter. Counters must end exact, Python memory flat, no thread left behind.
 """

@@ -65,7 +65,7 @@ def run_python(
 
 
 def result_line(stdout: str) -> Any:
-    """The child's JSON line (unconfigured structlog prints its events to stdout too)."""
+    """The child's JSON line (the first line of its stdout that is a JSON object)."""
     return json.loads(next(line for line in stdout.splitlines() if line.startswith("{")))
 
 

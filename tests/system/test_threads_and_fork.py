@@ -220,3 +220,38 @@ def test_a_fork_while_another_thread_is_inside_a_guarded_call_gives_a_working_ch
 
     _run_beside(busy, fork_children)
     assert statuses == [0] * FORKS
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_fork_while_another_thread_holds_the_service_locks_gives_a_working_child(
+    quiet: Guardrails,
+) -> None:
+    # Another thread is inside site creation or patching (the service's locks) at the fork.
+    import guardrails.service as service
+
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        with quiet._lock, quiet._patches_lock, service._default_lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: a new site, a new default instance, then a guarded call
+            code = 3
+            try:
+                service.default()
+                quiet.patches()
+                code = _in_child(quiet)
+            finally:
+                os._exit(code)
+        status = _child_status(pid)
+    finally:
+        release.set()
+        holder.join(10)
+    assert status == 0
