@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from typing import Final
 
 __all__ = [
+    "ATTACH_ERROR_EVENT",
     "EVENT_NAMES",
     "GUARD_ERROR_EVENT",
+    "KNOWN_HOOKS",
     "KNOWN_SITES",
     "LOGGER_NAME",
     "NONFINITE_EVENT",
@@ -36,11 +38,22 @@ KNOWN_SITES: Final[Mapping[str, str]] = {
     "eagle.token_ids": "token ids accepted at speculative verification",
 }
 
+# Engine hooks a config file may turn on (`hooks = [...]`): name -> "module:function" of
+# guardrails' own integration code, called as `function(guards) -> list of handles` by
+# `Guardrails.install_hooks()`. Only these names are accepted: nothing named in a config
+# file is imported or evaluated beyond this table.
+KNOWN_HOOKS: Final[Mapping[str, str]] = {
+    # vLLM V1: end a request whose logits had no valid token with finish_reason="error".
+    "vllm.end_poisoned_requests": "guardrails.integrations.vllm:end_poisoned_requests",
+}
+
 LOGGER_NAME: Final = "guardrails"
 NONFINITE_EVENT: Final = "guardrails.nonfinite_logits"
 NO_VALID_TOKEN_EVENT: Final = "guardrails.no_valid_token"
 OOB_EVENT: Final = "guardrails.oob_token_ids"
 REPORTING_ERROR_EVENT: Final = "guardrails.reporting_error"
+# An attach point or hook whose target does not resolve: logged, counted, never fatal at run.
+ATTACH_ERROR_EVENT: Final = "guardrails.attach_error"
 # A patched target's call whose tensor the site refused: counted, logged once, call unguarded.
 GUARD_ERROR_EVENT: Final = "guardrails.guard_error"
 STARTED_EVENT: Final = "guardrails.started"  # once per Guardrails: what guards, what is off
@@ -50,6 +63,7 @@ EVENT_NAMES: Final = (
     OOB_EVENT,
     REPORTING_ERROR_EVENT,
     GUARD_ERROR_EVENT,
+    ATTACH_ERROR_EVENT,
     STARTED_EVENT,
 )
 

@@ -21,12 +21,12 @@ import time
 import weakref
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from guardrails.attach.handles import GuardedFunction, Handle, attach_module
-from guardrails.attach.patching import GuardErrors, PatchHandle
+from guardrails.attach.patching import AttachErrors, GuardErrors, PatchHandle
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.distribution import clash_advice, other_owners
 from guardrails.flags import CountKind
@@ -70,7 +70,12 @@ class Guardrails:
         self._reporter = Reporter(self.settings, registry=registry, clock=clock, logger=logger)
         # Calls that patches leave unguarded (a tensor the site refused), counted and logged
         # once, through the same registry and the host's logging.
-        self._guard_errors = GuardErrors(registry, HostLogger() if logger is None else logger)
+        host_logger = HostLogger() if logger is None else logger
+        labels = self.settings.metrics.labels
+        self._guard_errors = GuardErrors(registry, host_logger, labels)
+        # Attach points and hooks that could not be applied: counted and logged, not fatal
+        # (unless strict_attach).
+        self._attach_errors = AttachErrors(registry, host_logger, labels)
         # Dropped without close(): flush when collected, or at exit. A bound method of the
         # reporter, never of self, so that it does not keep this instance alive.
         self._finalizer = weakref.finalize(self, self._reporter.flush)
@@ -154,7 +159,22 @@ class Guardrails:
                         name, config, min_temperature=settings.min_temperature, **common
                     )
                 else:
-                    site = TokenSite(name, config, vocab_size=options["vocab_size"], **common)
+                    rows_from = None
+                    if config.on_no_valid_token == "eos":
+                        logits_name = config.logits_site
+
+                        def rows_from() -> tuple[int, torch.Tensor] | None:
+                            # Looked up at each call: the logits site may be made later.
+                            logits_site = self._sites.get(logits_name)
+                            return None if logits_site is None else logits_site.recent()
+
+                    site = TokenSite(
+                        name,
+                        config,
+                        vocab_size=options["vocab_size"],
+                        rows_from=rows_from,
+                        **common,
+                    )
                 self._reporter.register(site)
             self._sites[name] = site
             return site
@@ -200,6 +220,7 @@ class Guardrails:
         kind: str = "logits",
         vocab_size: int | None = None,
         vocab_size_from: str | None = None,
+        when: str | None = None,
     ) -> PatchHandle:
         """Guard a value of `target` ("package.module:Class.method") at `site`, now or when
         its module is imported; idempotent. See `guardrails.attach.patching`.
@@ -213,16 +234,21 @@ class Guardrails:
             kind=kind,
             vocab_size=vocab_size,
             vocab_size_from=vocab_size_from,
+            when=when,
         )
         return self._patch(point)
 
     def attach_configured(
-        self, *, on_error: Callable[[AttachError], NoReturn] | None = None
+        self, *, on_error: Callable[[AttachError], None] | None = None
     ) -> list[PatchHandle]:
         """Apply the `[[attach]]` entries of the settings (what `guardrails run` does).
 
-        `on_error` is called with the error of a point that does not fit its target, before
-        it is raised (the launcher exits there)."""
+        A point that does not fit its target (now, or when its module is imported) goes to
+        `on_error`. Default: with `strict_attach` it is raised (from the import that loads
+        the module, for a pending point); otherwise it is counted in
+        `guardrails_attach_errors_total` and logged, and every other point still applies."""
+        if on_error is None and not self.settings.strict_attach:
+            on_error = self._attach_failed
         handles = []
         for index, entry in enumerate(self.settings.attach):
             origin = self.settings.origin("attach", index, "target")
@@ -230,10 +256,50 @@ class Guardrails:
             handles.append(self._patch(point, on_error=on_error))
         return handles
 
+    def _attach_failed(self, error: AttachError) -> None:
+        point = next((h.point for h in self.patches() if h.error is error), None)
+        site = point.site if point is not None else "unknown"
+        target = str(point.target) if point is not None else "unknown"
+        self._attach_errors.record(site=site, target=target, error=error)
+
+    def install_hooks(self, *, on_error: Callable[[Exception], None] | None = None) -> list[Any]:
+        """Install the engine hooks named by the `hooks` setting (what `guardrails run` does
+        after the `[[attach]]` entries); returns their handles (`.remove()`, `.state`).
+
+        Each name maps to guardrails' own integration code (`guardrails.names.KNOWN_HOOKS`);
+        a hook registers import hooks for its engine's modules and never imports the engine
+        itself. A hook that fails to install goes to `on_error`; default: raised with
+        `strict_attach`, else counted in `guardrails_attach_errors_total{site=<hook>}` and
+        logged."""
+        import importlib
+
+        from guardrails.names import KNOWN_HOOKS
+
+        handles: list[Any] = []
+        for name in self.settings.hooks:
+            path = KNOWN_HOOKS[name]
+            module_name, _, function = path.partition(":")
+            try:
+                installer = getattr(importlib.import_module(module_name), function)
+                handles.extend(installer(self))
+            except Exception as exc:
+                if on_error is not None:
+                    on_error(exc)
+                elif self.settings.strict_attach:
+                    raise
+                else:
+                    self._attach_errors.record(site=name, target=path, error=exc)
+        return handles
+
     @property
     def guard_errors(self) -> GuardErrors:
         """Where this instance's patches count the calls they leave unguarded."""
         return self._guard_errors
+
+    @property
+    def attach_errors(self) -> AttachErrors:
+        """Where this instance counts attach points and hooks that could not be applied."""
+        return self._attach_errors
 
     def patches(self) -> list[PatchHandle]:
         """Import-path patches made through this instance: applied, pending or disabled."""
@@ -241,7 +307,7 @@ class Guardrails:
             return list(self._patches.values())
 
     def _patch(
-        self, point: AttachPoint, *, on_error: Callable[[AttachError], NoReturn] | None = None
+        self, point: AttachPoint, *, on_error: Callable[[AttachError], None] | None = None
     ) -> PatchHandle:
         with self._patches_lock:
             existing = self._patches.get(point.key)

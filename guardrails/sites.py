@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -55,6 +56,7 @@ _MAX_CACHED_VIEWS: Final = 64
 # Threads with buffers on one device before those of threads that have ended are reclaimed.
 _RECLAIM_AT: Final = 64
 _ASSERTED: Final = int(RowFlag.NAN | RowFlag.POSINF | RowFlag.NO_VALID_TOKEN)
+_NO_VALID_TOKEN: Final = int(RowFlag.NO_VALID_TOKEN)
 # Not uint16/32/64: torch has no comparison kernels for them ("lt_cpu" not implemented), so
 # they get a TypeError naming these instead of an error from inside the guard.
 _INTEGER_DTYPES: Final = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -64,12 +66,16 @@ class _Buffers:
     """One thread's row flags on one device, and the kernel workspace that describes them
     (the CPU kernel's `extent`: how far these flags may hold non-zero bytes)."""
 
-    __slots__ = ("capacity", "flags", "views", "workspace")
+    __slots__ = ("capacity", "flags", "recent", "recent_call", "views", "workspace")
     flags: torch.Tensor
     workspace: Any
 
     def __init__(self, device: torch.device, capacity: int, kernel: LogitsKernel | None) -> None:
         self.capacity = 0
+        # The flags this thread's latest call returned, and that call's number (see
+        # `_SiteBase.recent`).
+        self.recent: torch.Tensor | None = None
+        self.recent_call = 0
         self._allocate(device, capacity, kernel, None)
 
     def _allocate(
@@ -269,6 +275,29 @@ class _SiteBase:
             else:
                 state.reserve(rows, _get_ident())
             self._state = state
+
+    def recent(self, device: torch.device | str | None = None) -> tuple[int, torch.Tensor] | None:
+        """`(call number, row flags)` of this site's latest call on the calling thread (on
+        `device`, default: the device used last), or None before one.
+
+        The flags are a view of the thread's buffer, valid until the site's next call on
+        this thread; call numbers grow, so a reader can tell a new call from one it has
+        seen. Reading them never synchronises: the values are whatever the device has
+        written by the time the reader's own device work runs (stream order)."""
+        state = (
+            self._state if device is None else self._states.get(_normalise(torch.device(device)))
+        )
+        if state is None:
+            return None
+        buffers = state.buffers.get(_get_ident())
+        if buffers is None or buffers.recent is None:
+            return None
+        return buffers.recent_call, buffers.recent
+
+    def recent_flags(self, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """The row flags of this site's latest call on the calling thread, or None."""
+        found = self.recent(device)
+        return None if found is None else found[1]
 
     def _state_for(self, tensor: torch.Tensor) -> _DeviceState:
         device = tensor.device
@@ -532,6 +561,8 @@ class LogitsSite(_SiteBase):
             kernel(logits, flags, state.counts.counts, spec, buffers.workspace)
         if self._assert_msg is not None:
             torch._assert_async(flags.bitwise_and(_ASSERTED).eq(0).all(), self._assert_msg)
+        buffers.recent = flags
+        buffers.recent_call = self._calls + 1
         return flags
 
     def _type_error(self, logits: object) -> TensorTypeError:
@@ -564,9 +595,23 @@ class TokenSite(_SiteBase):
         every_calls: int = 32,
         device: torch.device | str | None = None,
         capacity: int | None = None,
+        rows_from: Callable[[], tuple[int, torch.Tensor] | None] | None = None,
     ) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
             raise ValueError(f"guardrails token site {name!r}: vocab_size must be an int > 0")
+        # on_no_valid_token = "eos": the logits site's `recent()`, whose NO_VALID_TOKEN rows
+        # get eos_token_id; the number of the call last used, so a step whose logits site
+        # did not run never reuses an older step's flags.
+        self._eos: int | None = None
+        if config.on_no_valid_token == "eos":
+            if rows_from is None:
+                raise ValueError(
+                    f"guardrails token site {name!r}: on_no_valid_token = 'eos' needs the "
+                    "logits site to read row flags from"
+                )
+            self._eos = config.eos_token_id
+        self._rows_from = rows_from
+        self._rows_seen = 0
         if config.replacement_id >= vocab_size:
             raise ValueError(
                 f"guardrails token site {name!r}: replacement_id={config.replacement_id} is "
@@ -584,9 +629,12 @@ class TokenSite(_SiteBase):
         )
         super().__init__(name, reporter, every_calls=every_calls, device=device, capacity=capacity)
 
-    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, token_ids: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+        """Guard `token_ids` against `[0, vocab_size)`; `vocab_size` defaults to the site's
+        (an engine whose vocabulary is read at every call passes it; see attach)."""
         if getattr(token_ids, "dtype", None) not in _INTEGER_DTYPES:
             raise self._type_error(token_ids)
+        vocab = self.vocab_size if vocab_size is None else self._checked_vocab(vocab_size)
         if _compiling():
             return torch.ops.guardrails.guard_token_ids_(token_ids, self._op_key)  # type: ignore[no-any-return]
         try:
@@ -608,9 +656,9 @@ class TokenSite(_SiteBase):
             buffers = state.last if state.owner == ident else state.buffers_for(ident, self.name)
             if token_ids.is_inference():
                 with _writable(token_ids):
-                    flags = self._guard(token_ids, rows, state, buffers)
+                    flags = self._guard(token_ids, rows, state, buffers, vocab)
             else:
-                flags = self._guard(token_ids, rows, state, buffers)
+                flags = self._guard(token_ids, rows, state, buffers, vocab)
             calls = self._calls = self._calls + 1
         if calls % self._every == 0 or calls == 1:
             # Outside the site lock: a tick may log and write metrics (host code).
@@ -639,8 +687,28 @@ class TokenSite(_SiteBase):
         dim = ids.dim()
         return _leading(ids) if dim >= 2 else ids.numel() if dim == 1 else 1
 
+    def _checked_vocab(self, vocab_size: object) -> int:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+            raise TensorValueError(
+                f"guardrails token site {self.name!r}: vocab_size must be an int > 0, got "
+                f"{vocab_size!r}",
+                "reference",
+            )
+        if self.config.replacement_id >= vocab_size:
+            raise TensorValueError(
+                f"guardrails token site {self.name!r}: replacement_id="
+                f"{self.config.replacement_id} is outside the vocabulary [0, {vocab_size})",
+                "reference",
+            )
+        return vocab_size
+
     def _guard(
-        self, ids: torch.Tensor, rows: int, state: _DeviceState, buffers: _Buffers
+        self,
+        ids: torch.Tensor,
+        rows: int,
+        state: _DeviceState,
+        buffers: _Buffers,
+        vocab_size: int | None = None,
     ) -> torch.Tensor:
         flags = buffers.views.get(rows)
         if flags is None:
@@ -650,15 +718,40 @@ class TokenSite(_SiteBase):
                 ids,
                 flags,
                 state.counts.counts,
-                self.vocab_size,
+                self.vocab_size if vocab_size is None else vocab_size,
                 self.config.replacement_id,
                 self._sanitize,
             )
+            if self._eos is not None:
+                self._end_rows_with_eos(ids, rows, flags)
         else:
             flags.zero_()
         if self._assert_msg is not None:
             torch._assert_async(flags.eq(0).all(), self._assert_msg)
+        buffers.recent = flags
+        buffers.recent_call = self._calls + 1
         return flags
+
+    def _end_rows_with_eos(self, ids: torch.Tensor, rows: int, flags: torch.Tensor) -> None:
+        """Rows the logits site flagged NO_VALID_TOKEN in this step get `eos_token_id`, and
+        that flag here too; branch-free, no synchronisation. Skipped when the logits site
+        has not run since the last step, or its rows are not these rows."""
+        assert self._rows_from is not None  # set with _eos
+        assert self._eos is not None
+        found = self._rows_from()
+        if found is None:
+            return
+        call, logits_flags = found
+        if call <= self._rows_seen or logits_flags.numel() != rows:
+            return
+        if logits_flags.device != ids.device:
+            return
+        self._rows_seen = call
+        ended = logits_flags.bitwise_and(_NO_VALID_TOKEN)
+        flags.bitwise_or_(ended)
+        # One flag per id (0-d, 1-d ids) or per [..., k] slice: broadcast over the k ids.
+        shape = (*ids.shape[:-1], 1) if ids.dim() >= 2 else ids.shape
+        ids.masked_fill_(ended.bool().reshape(shape), self._eos)
 
     def _type_error(self, ids: object) -> TensorTypeError:
         if not isinstance(ids, torch.Tensor):
@@ -684,10 +777,16 @@ class DisabledSite:
         self.name = validate_site_name(name)
         self.kind = kind
 
-    def __call__(self, tensor: torch.Tensor) -> None:
+    def __call__(self, tensor: torch.Tensor, vocab_size: int | None = None) -> None:
         return None
 
     def reserve(self, rows: int, device: torch.device | str) -> None:
+        return None
+
+    def recent(self, device: torch.device | str | None = None) -> None:
+        return None
+
+    def recent_flags(self, device: torch.device | str | None = None) -> None:
         return None
 
     def totals(self) -> dict[CountKind, int]:

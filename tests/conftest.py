@@ -39,6 +39,10 @@ else:
 
 HAS_CUDA = torch.cuda.is_available()
 
+# The real-engine suites run only inside their engines' venvs (`make engines` sets
+# ENGINE_SUITE); `make test` never collects them.
+collect_ignore_glob = [] if os.environ.get("ENGINE_SUITE") else ["engines/*"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible to torch)")

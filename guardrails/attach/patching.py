@@ -35,7 +35,7 @@ import importlib.util
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -43,12 +43,14 @@ from guardrails.attach.handles import Handle, SiteCall
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved, namespace, reader, resolve, vocab_of
 from guardrails.exceptions import TensorTypeError, TensorValueError
-from guardrails.names import GUARD_ERROR_EVENT
+from guardrails.names import ATTACH_ERROR_EVENT, GUARD_ERROR_EVENT
+from guardrails.settings.targets import installed_version, parse_requirement, requirement_holds
 
 if TYPE_CHECKING:
     from guardrails.settings import GuardSettings
 
 __all__ = [
+    "AttachErrors",
     "GuardErrors",
     "PatchHandle",
     "PatchOwner",
@@ -56,8 +58,8 @@ __all__ = [
     "inspect_point",
 ]
 
-State = Literal["pending", "applied", "disabled", "failed", "removed"]
-Guard = Callable[[Any], Any]
+State = Literal["pending", "applied", "disabled", "inapplicable", "failed", "removed"]
+Guard = Callable[..., Any]
 
 _MARKER = "__guardrails_patch__"
 
@@ -73,8 +75,11 @@ class GuardErrors:
     is swallowed: the engine's call must go on.
     """
 
-    def __init__(self, registry: Any = None, logger: Any = None) -> None:
+    def __init__(
+        self, registry: Any = None, logger: Any = None, labels: dict[str, str] | None = None
+    ) -> None:
         self._registry = registry
+        self._labels = labels or {}
         if logger is None:
             from guardrails.logs import HostLogger  # late: structlog only when it logs
 
@@ -123,11 +128,58 @@ class GuardErrors:
                 from guardrails.reporting.metrics import guard_metrics, resolve_rank
 
                 self._rank = resolve_rank()
-                self._family = guard_metrics(self._registry).guard_errors
+                self._family = guard_metrics(self._registry, self._labels).guard_errors
             child = self._series[key] = self._family.labels(
                 site=site, reason=reason, rank=self._rank
             )
         return child
+
+
+class AttachErrors:
+    """Where one `Guardrails` counts the attach points and hooks that could not be applied.
+
+    A target that does not resolve (an engine version without that method, a hook whose
+    code no longer fits) leaves its site unguarded: `guardrails_attach_errors_total{site,
+    target, rank}` counts it and `guardrails.attach_error` logs it (each time: it happens
+    once per point), and the process goes on with every other site guarded. Like
+    `GuardErrors`, a failing registry or logger is swallowed.
+    """
+
+    def __init__(
+        self, registry: Any = None, logger: Any = None, labels: dict[str, str] | None = None
+    ) -> None:
+        self._registry = registry
+        self._labels = labels or {}
+        if logger is None:
+            from guardrails.logs import HostLogger  # late: structlog only when it logs
+
+            logger = HostLogger()
+        self._logger = logger
+        self._lock = threading.Lock()
+        self.failures: list[tuple[str, str, str]] = []  # (site, target, error), in order
+
+    def record(self, *, site: str, target: str, error: BaseException) -> None:
+        """One attach point (or hook) of `site` on `target` failed with `error`."""
+        text = str(error) if isinstance(error, AttachError) else f"{type(error).__name__}: {error}"
+        with self._lock:
+            self.failures.append((site, target, text))
+        rank = "0"
+        with contextlib.suppress(Exception):
+            from guardrails.reporting.metrics import guard_metrics, resolve_rank
+
+            rank = resolve_rank()
+            family = guard_metrics(self._registry, self._labels).attach_errors
+            family.labels(site=site, target=target, rank=rank).inc()
+        with contextlib.suppress(Exception):
+            self._logger.error(
+                ATTACH_ERROR_EVENT,
+                site=site,
+                target=target,
+                error=text,
+                rank=rank,
+                action="this site is not guarded there; every other site still is "
+                "(GUARDRAILS_STRICT_ATTACH=true makes this fatal)",
+            )
 
 
 class PatchOwner(Protocol):
@@ -161,7 +213,7 @@ class PatchHandle(Handle):
         self,
         point: AttachPoint,
         guards: PatchOwner,
-        on_error: Callable[[AttachError], NoReturn] | None,
+        on_error: Callable[[AttachError], None] | None,
         on_remove: Callable[[PatchHandle], None] | None = None,
     ) -> None:
         super().__init__(self._undo, str(point))
@@ -185,21 +237,30 @@ class PatchHandle(Handle):
         return self._guards
 
     def install(self) -> None:
-        """Apply now if the target's module is imported, else right after it is."""
+        """Apply now if the target's module is imported, else right after it is; a point
+        whose `when` requirement the installed distribution does not meet is inapplicable
+        and never applied."""
+        when = self.point.when
+        if when is not None and requirement_holds(when) is not True:
+            self._state = "inapplicable"
+            return
         import wrapt  # late: only processes that patch pay for the import hook machinery
 
         wrapt.register_post_import_hook(self._on_import, self.point.target.module)
 
     def _on_import(self, module: Any) -> None:
-        """wrapt post-import hook; also called at once for an imported module."""
+        """wrapt post-import hook; also called at once for an imported module.
+
+        A point that does not fit goes to `on_error` (which may end the process, or count
+        and log it and return: then the import goes on); without one it raises."""
         try:
             self._apply(module)
         except AttachError as exc:
             self._state = "failed"
             self.error = exc
-            if self._on_error is not None:
-                self._on_error(exc)
-            raise
+            if self._on_error is None:
+                raise
+            self._on_error(exc)
 
     def _apply(self, module: Any) -> None:
         with self._lock:
@@ -246,14 +307,9 @@ class PatchHandle(Handle):
             self._installed = (resolved, installed)
             self._state = "applied"
 
-    def _token_guard(self, value: Any) -> Guard:
-        """The token-id site, sized from the first call's `vocab_size_from` value."""
-        try:
-            vocab = vocab_of(value)
-        except TypeError as exc:
-            raise self.point.error(
-                f"vocab_size_from = {self.point.vocab_size_from}: {exc}"
-            ) from None
+    def _token_guard(self, vocab: int) -> Guard:
+        """The token-id site, made at the first call (sized from its `vocab_size_from`
+        value; every call passes its own)."""
         site = self._guards.token_site(self.point.site, vocab_size=vocab)
         current = self._guard[0]
         if current is None:
@@ -304,8 +360,12 @@ def _wrapper(
             if value is None:
                 return
             site = slot[0]
-            if site is None and read_vocab is not None:
-                site = handle._token_guard(read_vocab(args, kwargs, result))
+            vocab = None
+            if read_vocab is not None:
+                # Read at every call: an engine may serve several vocabularies, or grow one.
+                vocab = vocab_of(read_vocab(args, kwargs, result))
+                if site is None:
+                    site = handle._token_guard(vocab)
             if site is None:
                 raise RuntimeError(f"guardrails: {handle.point} has no site")  # unreachable
         except Exception as exc:
@@ -313,7 +373,10 @@ def _wrapper(
             handle._unguarded("reference", exc)
             return
         try:
-            site(value)
+            if vocab is None:
+                site(value)
+            else:
+                site(value, vocab)
         except fatal:
             raise
         except (TensorTypeError, TensorValueError) as exc:
@@ -367,13 +430,24 @@ class TargetReport:
     """What `inspect_point` found: ok, not importable in this environment, or an error."""
 
     point: AttachPoint
-    status: Literal["ok", "not_importable", "error"]
+    status: Literal["ok", "not_importable", "inapplicable", "error"]
     message: str = ""
 
 
 def inspect_point(point: AttachPoint) -> TargetReport:
     """Import the target's module and check the target the way applying it would, without
-    patching anything."""
+    patching anything. A point whose `when` the installed version does not meet is
+    inapplicable (not imported, not an error)."""
+    if point.when is not None:
+        holds = requirement_holds(point.when)
+        if holds is None:
+            name = parse_requirement(point.when).name
+            return TargetReport(point, "not_importable", f"{name} is not installed here")
+        if not holds:
+            version = installed_version(point.when)
+            return TargetReport(
+                point, "inapplicable", f"for {point.when}; {version} is installed: skipped"
+            )
     try:
         module = importlib.import_module(point.target.module)
     except ModuleNotFoundError as exc:

@@ -29,6 +29,7 @@ class AttachPoint:
     kind: Literal["logits", "token_ids"] = "logits"
     vocab_size: int | None = None
     vocab_size_from: Ref | None = None
+    when: str | None = None  # a requirement such as "sglang>=0.5.14" (see install)
     origin: str = "attach target"
 
     @classmethod
@@ -42,6 +43,7 @@ class AttachPoint:
             vocab_size_from=None
             if entry.vocab_size_from is None
             else parse_ref(entry.vocab_size_from),
+            when=entry.when,
             origin=origin,
         )
 

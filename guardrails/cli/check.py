@@ -74,8 +74,10 @@ def run(args: argparse.Namespace) -> int:
         for notice in settings.notices:
             _warn(warnings, "settings", str(notice))
         points = _points(settings)
-    attach_errors, not_importable = _check_points(points, settings, strict=args.strict)
+    attach_errors, not_importable, skipped = _check_points(points, settings, strict=args.strict)
     errors += attach_errors
+    if settings is not None:
+        errors += _check_hooks(settings.hooks)
     if points and not _has_wrapt():
         errors.append("wrapt is not importable: [[attach]] entries need it (pip install wrapt)")
     for error in errors:
@@ -83,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
     total = len(points)
     summary = (
         f"{total} attach point{'s' if total != 1 else ''}, "
-        f"{total - len(attach_errors) - not_importable} resolved, "
+        f"{total - len(attach_errors) - not_importable - skipped} resolved, "
         f"{not_importable} not importable here, "
+        f"{skipped} for other versions, "
         f"{len(warnings)} warning{'s' if len(warnings) != 1 else ''}, "
         f"{len(errors)} error{'s' if len(errors) != 1 else ''}"
     )
@@ -156,11 +159,11 @@ def _points_of_invalid_settings(config: str | None) -> list[tuple[int, AttachPoi
 
 def _check_points(
     points: list[tuple[int, AttachPoint]], settings: GuardSettings | None, *, strict: bool
-) -> tuple[list[str], int]:
+) -> tuple[list[str], int, int]:
     from guardrails.attach.patching import inspect_point
 
     errors: list[str] = []
-    not_importable = 0
+    not_importable = skipped = 0
     for index, point in points:
         report = inspect_point(point)
         label = f"attach[{index}]"
@@ -169,13 +172,39 @@ def _check_points(
         if report.status == "ok":
             print(f"  {label:<13} ok       {point}{state}")
             continue
+        if report.status == "inapplicable":
+            print(f"  {label:<13} skipped  {point}: {report.message}")
+            skipped += 1
+            continue
         if report.status == "not_importable" and not strict:
             print(f"  {label:<13} warning  {point}: {report.message}")
             not_importable += 1
         else:
             print(f"  {label:<13} error    {point}: {report.message}")
             errors.append(f"{point.origin}: {point.target}: {report.message}")
-    return errors, not_importable
+    return errors, not_importable, skipped
+
+
+def _check_hooks(hooks: tuple[str, ...]) -> list[str]:
+    """Each configured hook's code is there (its engine targets are checked when it runs)."""
+    from guardrails.names import KNOWN_HOOKS
+
+    errors = []
+    for name in hooks:
+        module_name, _, function = KNOWN_HOOKS[name].partition(":")
+        try:
+            found = callable(getattr(importlib.import_module(module_name), function, None))
+        except Exception as exc:
+            found = False
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            why = f"{KNOWN_HOOKS[name]} is missing"
+        if found:
+            print(f"  {'hook':<13} ok       {name} ({KNOWN_HOOKS[name]})")
+        else:
+            print(f"  {'hook':<13} error    {name}: {why}")
+            errors.append(f"hook {name}: {why}")
+    return errors
 
 
 def _environment() -> list[tuple[str, str]]:

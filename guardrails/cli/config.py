@@ -67,6 +67,8 @@ def entries(settings: GuardSettings) -> Iterator[tuple[tuple[str | int, ...], An
     if settings.config_file is not None:
         yield ("config_file",), str(settings.config_file), source("config_file")
     yield ("min_temperature",), settings.min_temperature, source("min_temperature")
+    for name in ("strict_attach", "hooks"):
+        yield (name,), getattr(settings, name), source(name)
     for table in ("reporting", "metrics"):
         model = getattr(settings, table)
         for key in type(model).model_fields:

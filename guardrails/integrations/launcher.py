@@ -7,12 +7,17 @@ bootstrap directory first on `PYTHONPATH` and replace the launcher with the comm
 
 Process side (`bootstrap`, run by the bootstrap `sitecustomize`): build the process-wide
 `guardrails.default()` from the environment, apply its attach points (pending ones apply
-when their module is imported) and close it at exit. A bad configuration or an attach point
-that does not fit its target ends the process at once with status 2 and the message on
-stderr: a guard that silently did not install would be worse than no start. What happens at
-run time never does: a tensor a patched target's site refuses, or a reference that does not
-fit one call, is counted in `guardrails_guard_errors_total`, logged once, and the engine's
-call goes on unguarded (see `guardrails.attach.patching`).
+when their module is imported), install the configured engine hooks, and close it at exit.
+
+A bad configuration ends the process at once with status 2 and the message on stderr: a
+guard that silently did not install would be worse than no start. An attach point or hook
+whose target does not resolve (another engine version) never stops the server: it is logged
+(`guardrails.attach_error`) and counted in `guardrails_attach_errors_total{site, target}`,
+and every other site stays guarded; `strict_attach` (GUARDRAILS_STRICT_ATTACH=true, for CI)
+makes it exit with status 2 instead, as `guardrails check --strict` fails. What happens at run
+time never stops it either: a tensor a patched target's site refuses, or a reference that
+does not fit one call, is counted in `guardrails_guard_errors_total`, logged once, and the
+engine's call goes on unguarded (see `guardrails.attach.patching`).
 """
 
 from __future__ import annotations
@@ -77,9 +82,16 @@ def bootstrap() -> Guardrails:
 
     try:
         guards = default()
-        guards.attach_configured(on_error=_die)
     except Exception as exc:  # a ConfigError, or anything else that leaves it unguarded
         _die(exc)
+    strict = guards.settings.strict_attach
+    try:
+        guards.attach_configured(on_error=_die if strict else None)
+        guards.install_hooks(on_error=_die if strict else None)
+    except Exception as exc:  # a guardrails bug: contained unless strict, never silent
+        if strict:
+            _die(exc)
+        guards.attach_errors.record(site="*", target="attach", error=exc)
     atexit.register(guards.close)
     _installed = guards
     return guards

@@ -1,8 +1,13 @@
 """Replacement values: what a healed entry becomes, and the rule that keeps it safe.
 
 The rule, in one place: a replacement must be finite as stored in the logits' dtype and stay
-finite after the engine divides by any temperature it allows (`>= min_temperature`). The
-default +Inf value and the check of configured values (`GuardSettings`) both follow it.
+finite after the engine divides by any temperature it allows (`>= min_temperature`), in the
+dtype the engine divides in: float32 for float16/bfloat16/float32 logits (SGLang's logits
+processor and vLLM's sampler both upcast to float32 before the temperature step), float64
+for float64. A healed +Inf also keeps its rank: it becomes the largest value the logits'
+dtype holds (1e30 at most), so greedy sampling still picks it and it outweighs every
+ordinary logit. The default +Inf value and the check of configured values (`GuardSettings`)
+both follow this rule.
 """
 
 from __future__ import annotations
@@ -16,18 +21,27 @@ __all__ = [
     "finite_after_temperature",
     "posinf_replacement",
     "replacement_problem",
+    "sampling_dtype",
     "stored_value",
 ]
 
 
-def posinf_replacement(dtype: torch.dtype, min_temperature: float) -> float:
-    """The default value for +Inf: `min(1e30, 0.5 * finfo.max * min(1, min_temperature))`.
+def sampling_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype engines divide `dtype` logits by the temperature in (at least float32)."""
+    return torch.promote_types(dtype, torch.float32)
 
-    Half the dtype's range, scaled by the smallest temperature the engine divides by, so the
-    value stays finite both as stored and after `logits / T` for every allowed T; capped at
-    1e30 so float32 logits keep the familiar magnitude (SGLang's constant).
+
+def posinf_replacement(dtype: torch.dtype, min_temperature: float) -> float:
+    """The default value for +Inf: the largest `dtype` value at most
+    `min(1e30, finfo(dtype).max, 0.5 * finfo(S).max * min(1, min_temperature))`, where S is
+    the sampling dtype (float32, or float64 for float64 logits).
+
+    65504 (float16's largest) for float16, about 1e30 for bfloat16 and float32 (SGLang's
+    constant) at the default min_temperature: the row's top entry in its own dtype, finite
+    after `logits.float() / T` for every allowed T.
     """
-    value = min(1e30, 0.5 * torch.finfo(dtype).max * min(1.0, min_temperature))
+    compute = torch.finfo(sampling_dtype(dtype)).max
+    value = min(1e30, torch.finfo(dtype).max, 0.5 * compute * min(1.0, min_temperature))
     # The largest value the dtype represents exactly that is <= the formula's, so storing it
     # cannot round up past the bound.
     stored = torch.tensor(value, dtype=torch.float64).to(dtype)
@@ -37,10 +51,11 @@ def posinf_replacement(dtype: torch.dtype, min_temperature: float) -> float:
 
 
 def finite_after_temperature(value: float, dtype: torch.dtype, min_temperature: float) -> bool:
-    """Whether `value`, stored in `dtype`, stays finite there after `/ min_temperature` (and
-    so after division by any larger temperature)."""
+    """Whether `value`, stored in `dtype`, is finite there and stays finite after
+    `/ min_temperature` in the sampling dtype (and so after any larger temperature)."""
     as_dtype = torch.tensor(value, dtype=dtype)
-    scaled = as_dtype / torch.tensor(min_temperature, dtype=dtype)
+    compute = sampling_dtype(dtype)
+    scaled = as_dtype.to(compute) / torch.tensor(min_temperature, dtype=compute)
     return bool(torch.isfinite(as_dtype)) and bool(torch.isfinite(scaled))
 
 
@@ -66,9 +81,13 @@ def replacement_problem(
     for name in dtypes:
         dtype = getattr(torch, name)
         if not finite_after_temperature(value, dtype, min_temperature):
-            limit = torch.finfo(dtype).max * min(1.0, min_temperature)
+            compute = sampling_dtype(dtype)
+            limit = min(
+                torch.finfo(dtype).max, torch.finfo(compute).max * min(1.0, min_temperature)
+            )
             return (
-                f"{key}={value:g} overflows {name} after division by min_temperature="
-                f"{min_temperature:g} (largest safe magnitude about {limit:.4g})"
+                f"{key}={value:g} overflows {name} as stored or after division by "
+                f"min_temperature={min_temperature:g} in {str(compute).removeprefix('torch.')} "
+                f"(largest safe magnitude about {limit:.4g})"
             )
     return ""

@@ -9,6 +9,12 @@ Contract (metric names and labels are fixed; see the design brief):
     guardrails_reporting_errors_total{stage, rank}         stage: poll, metrics, logs
     guardrails_guard_errors_total{site, reason, rank}      reason: dtype, shape, layout,
                                                                    device, reference, error
+    guardrails_attach_errors_total{site, target, rank}     an attach point or hook whose
+                                                           target does not resolve
+
+Constant labels (`[metrics.labels]`, GUARDRAILS_METRICS_LABELS: the engine's `model_name`,
+`engine`, `tp_rank`) are added to every family after these, so guardrails' series carry the
+same identifying labels as the engine's own on its /metrics endpoint.
 
 Plain `Counter`s incremented only by deltas, never a custom collector, so they work unchanged
 in prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`), where each process
@@ -23,7 +29,7 @@ import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from guardrails.flags import CountKind
 
@@ -36,6 +42,7 @@ __all__ = [
     "METRIC_LABELS",
     "METRIC_NAMES",
     "SLOT_SERIES",
+    "Family",
     "GuardMetrics",
     "guard_metrics",
     "resolve_rank",
@@ -89,6 +96,12 @@ _FAMILIES: Final = (
         "Calls of a patched target left unguarded because the site refused the tensor.",
         ("site", "reason", "rank"),
     ),
+    (
+        "attach_errors",
+        "guardrails_attach_errors",
+        "Attach points or engine hooks whose target did not resolve (that site is unguarded).",
+        ("site", "target", "rank"),
+    ),
 )
 METRIC_NAMES: Final = tuple(f"{name}_total" for _attr, name, _help, _labels in _FAMILIES)
 # Exported name -> label names: what dashboards and alert rules may select on.
@@ -97,15 +110,30 @@ METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
 }
 
 
+class Family:
+    """One counter family with the instance's constant labels filled in at `.labels()`."""
+
+    __slots__ = ("_constant", "_counter")
+
+    def __init__(self, counter: Counter, constant: Mapping[str, str]) -> None:
+        self._counter = counter
+        self._constant = dict(constant)
+
+    def labels(self, **labels: str) -> Any:
+        return self._counter.labels(**labels, **self._constant)
+
+
 @dataclass(frozen=True)
 class GuardMetrics:
-    """The counter families of one registry, shared by every `Guardrails` using it."""
+    """The counter families of one registry (shared by every `Guardrails` using it), with one
+    instance's constant labels."""
 
-    nonfinite_values: Counter
-    flagged_rows: Counter
-    guard_calls: Counter
-    reporting_errors: Counter
-    guard_errors: Counter
+    nonfinite_values: Family
+    flagged_rows: Family
+    guard_calls: Family
+    reporting_errors: Family
+    guard_errors: Family
+    attach_errors: Family
 
 
 # The families made for a registry are kept on the registry object itself (an attribute of
@@ -115,26 +143,38 @@ _FAMILIES_ATTR: Final = "_guardrails_metric_families"
 _LOCK = threading.Lock()
 
 
-def guard_metrics(registry: CollectorRegistry | None = None) -> GuardMetrics:
-    """The counters registered in `registry` (default: the global one), made on first use.
+def guard_metrics(
+    registry: CollectorRegistry | None = None, constant: Mapping[str, str] | None = None
+) -> GuardMetrics:
+    """The counters registered in `registry` (default: the global one), made on first use,
+    with `constant` labels (their names become part of every family).
 
     Asking again for the same registry returns the same counters, so any number of
-    `Guardrails` instances share them without a duplicate-metric error.
+    `Guardrails` instances share them without a duplicate-metric error; instances sharing a
+    registry must use the same constant label names (their values may differ).
     """
     from prometheus_client import REGISTRY
 
     target = REGISTRY if registry is None else registry
+    constant = dict(constant or {})
+    names = tuple(sorted(constant))
     with _LOCK:
-        found: GuardMetrics | None = getattr(target, _FAMILIES_ATTR, None)
+        found: dict[str, Counter] | None = getattr(target, _FAMILIES_ATTR, None)
         if found is None:
-            found = GuardMetrics(
-                **{
-                    attr: _counter(target, name, text, labels)
-                    for attr, name, text, labels in _FAMILIES
-                }
-            )
+            found = {
+                attr: _counter(target, name, text, (*labels, *names))
+                for attr, name, text, labels in _FAMILIES
+            }
             setattr(target, _FAMILIES_ATTR, found)
-        return found
+        else:
+            made = tuple(found["guard_calls"]._labelnames[2:])
+            if made != names:
+                raise ValueError(
+                    f"guardrails' metrics in this registry carry the constant labels "
+                    f"{list(made)}; this instance asks for {list(names)}: every instance "
+                    "sharing a registry needs the same [metrics.labels] names"
+                )
+        return GuardMetrics(**{attr: Family(found[attr], constant) for attr in found})
 
 
 def _counter(registry: CollectorRegistry, name: str, text: str, labels: tuple[str, ...]) -> Counter:

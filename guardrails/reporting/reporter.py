@@ -173,7 +173,7 @@ class Reporter:
         self._sites: dict[int, _SiteReport] = {}
         # Imports prometheus_client, first here: never at `import guardrails`, because it fixes
         # its multiprocess mode when first imported.
-        self._metrics: GuardMetrics = metrics.guard_metrics(registry)
+        self._metrics: GuardMetrics = metrics.guard_metrics(registry, settings.metrics.labels)
         self._rank: str | None = None
         self._errors: dict[str, Any] = {}
         self._uncounted: Counter[str] = Counter()  # faults before the error series existed

@@ -42,11 +42,17 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import RowFlag
-from guardrails.names import KNOWN_SITES, validate_site_name
+from guardrails.names import KNOWN_HOOKS, KNOWN_SITES, validate_site_name
 from guardrails.settings.problems import closest, problems_from, site_hint
 from guardrails.settings.schema import field_meta, part, plain
 from guardrails.settings.sources import COLLECTOR, Collector, EnvSource, FileSource, InitSource
-from guardrails.settings.targets import REF_SYNTAX, TARGET_SYNTAX, parse_ref, parse_target
+from guardrails.settings.targets import (
+    REF_SYNTAX,
+    TARGET_SYNTAX,
+    parse_ref,
+    parse_requirement,
+    parse_target,
+)
 
 __all__ = [
     "ALL_DTYPES",
@@ -61,6 +67,10 @@ DtypeName = Literal["float32", "bfloat16", "float16", "float64"]
 ALL_DTYPES: tuple[DtypeName, ...] = ("float32", "bfloat16", "float16", "float64")
 
 _BOOL = "true or false (also 1/0, yes/no, on/off)"
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+# Labels of guardrails' own series (guardrails.reporting.metrics), which constant labels
+# must not shadow.
+_OWN_LABELS = frozenset({"site", "kind", "reason", "rank", "stage", "target"})
 _ABORT_FLAGS = "row flag names: nan, posinf, neginf, no_valid_token, any; [] heals and carries on"
 
 
@@ -139,8 +149,8 @@ class SiteSettings(_Frozen):
         float | None,
         Field(
             **field_meta(
-                "a finite number that stays finite in every dtype after / T",
-                "what +Inf becomes; unset: min(1e30, 0.5 * finfo.max * min(1, min_temperature))",
+                "a finite number that stays finite in every dtype after / T (in float32)",
+                "what +Inf becomes; unset: the dtype's largest value, at most 1e30",
             )
         ),
     ] = None
@@ -165,15 +175,51 @@ class SiteSettings(_Frozen):
         ),
     ] = ()
 
+    # Engine-agnostic ending of poisoned requests, at a token-id site: the ids sampled for
+    # rows that the logits site flagged NO_VALID_TOKEN in the same step become EOS, so the
+    # engine stops that request as if the model had ended it.
+    on_no_valid_token: Annotated[
+        Literal["sample", "eos"],
+        Field(
+            **field_meta(
+                "sample, eos",
+                "token-id sites: what a row with no valid token gets (eos: eos_token_id)",
+            )
+        ),
+    ] = "sample"
+    eos_token_id: Annotated[
+        int | None,
+        Field(ge=0, **field_meta("an integer >= 0", "the stop token on_no_valid_token=eos uses")),
+    ] = None
+    logits_site: Annotated[
+        str,
+        Field(
+            **field_meta("a site name", "the logits site whose row flags on_no_valid_token reads")
+        ),
+    ] = "sampler.logits"
+
     @field_validator("sanitize", "async_assert", "count_neginf", mode="before")
     @classmethod
     def _site_switch(cls, value: object) -> object:
         return _no_float_switch(value)
 
-    @field_validator("replacement_id", mode="before")
+    @field_validator("replacement_id", "eos_token_id", mode="before")
     @classmethod
     def _id_count(cls, value: object) -> object:
         return _no_bool_count(value)
+
+    @field_validator("logits_site")
+    @classmethod
+    def _logits_site_name(cls, name: str) -> str:
+        return validate_site_name(name)
+
+    @model_validator(mode="after")
+    def _eos_needs_an_id(self) -> SiteSettings:
+        if self.on_no_valid_token == "eos" and self.eos_token_id is None:
+            raise ValueError(
+                'on_no_valid_token = "eos" needs eos_token_id = N (the model\'s stop token)'
+            )
+        return self
 
     @field_validator("abort_on")
     @classmethod
@@ -214,7 +260,16 @@ class AttachSettings(_Frozen):
         Field(
             **field_meta(
                 REF_SYNTAX + ", naming an int or a [..., vocab] tensor",
-                "where to read the vocabulary size at the first call (token ids)",
+                "where to read the vocabulary size at every call (token ids)",
+            )
+        ),
+    ] = None
+    when: Annotated[
+        str | None,
+        Field(
+            **field_meta(
+                "a requirement such as sglang>=0.5.14",
+                "apply only when the installed distribution matches (else: inapplicable)",
             )
         ),
     ] = None
@@ -240,6 +295,13 @@ class AttachSettings(_Frozen):
     def _ref_syntax(cls, text: str | None) -> str | None:
         if text is not None:
             parse_ref(text)
+        return text
+
+    @field_validator("when")
+    @classmethod
+    def _requirement(cls, text: str | None) -> str | None:
+        if text is not None:
+            parse_requirement(text)
         return text
 
     @model_validator(mode="after")
@@ -316,6 +378,42 @@ class MetricsSettings(_Frozen):
             **field_meta("an IP address or host name", "bind address of the /metrics server"),
         ),
     ] = "127.0.0.1"
+    labels: Annotated[
+        dict[str, str],
+        Field(
+            **field_meta(
+                "name=value pairs, comma-separated (a [metrics.labels] table in the file)",
+                "constant labels on every guardrails series (e.g. the engine's model_name)",
+            )
+        ),
+    ] = Field(default_factory=dict)
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _label_pairs(cls, value: object) -> object:
+        # GUARDRAILS_METRICS_LABELS arrives as ("model_name=m", "engine=0").
+        if isinstance(value, list | tuple):
+            pairs: dict[str, object] = {}
+            for item in value:
+                name, eq, label = str(item).partition("=")
+                if not eq:
+                    raise ValueError(f"{item!r} is not name=value")
+                pairs[name.strip()] = label.strip()
+            return pairs
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _label_names(cls, labels: dict[str, str]) -> dict[str, str]:
+        for name in labels:
+            if not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+                raise ValueError(
+                    f"{name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*, "
+                    "not starting with __)"
+                )
+            if name in _OWN_LABELS:
+                raise ValueError(f"{name!r} is a label guardrails sets itself")
+        return labels
 
     @field_validator("port", mode="before")
     @classmethod
@@ -385,6 +483,25 @@ class GuardSettings(BaseSettings):
             ),
         ),
     ] = 1e-5
+    strict_attach: Annotated[
+        bool,
+        Field(
+            **field_meta(
+                _BOOL,
+                "an attach point or hook whose target does not resolve ends the process "
+                "(default: logged, counted, every other site still guarded)",
+            )
+        ),
+    ] = False
+    hooks: Annotated[
+        tuple[str, ...],
+        Field(
+            **field_meta(
+                "comma-separated names: " + ", ".join(KNOWN_HOOKS) if KNOWN_HOOKS else "none yet",
+                "engine hooks to install (guardrails run): e.g. ending poisoned requests",
+            )
+        ),
+    ] = ()
     reporting: ReportingSettings = ReportingSettings()
     metrics: MetricsSettings = MetricsSettings()
     sites: dict[str, SiteSettings] = Field(default_factory=dict)
@@ -428,10 +545,26 @@ class GuardSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return InitSource(settings_cls), EnvSource(settings_cls), FileSource(settings_cls)
 
-    @field_validator("enabled", "sanitize", "async_assert", mode="before")
+    @field_validator("enabled", "sanitize", "async_assert", "strict_attach", mode="before")
     @classmethod
     def _switch(cls, value: object) -> object:
         return _no_float_switch(value)
+
+    @field_validator("sites")
+    @classmethod
+    def _site_names(cls, sites: dict[str, SiteSettings]) -> dict[str, SiteSettings]:
+        for name in sites:
+            validate_site_name(name)  # they become metric labels, like attach sites
+        return sites
+
+    @field_validator("hooks")
+    @classmethod
+    def _known_hooks(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        for name in names:
+            if name not in KNOWN_HOOKS:
+                known = ", ".join(sorted(KNOWN_HOOKS)) or "none"
+                raise ValueError(f"unknown hook {name!r} (known: {known})")
+        return tuple(dict.fromkeys(names))
 
     # -- valid, but worth a word ---------------------------------------------------------
 

@@ -60,6 +60,10 @@ def plain(
         if not value:
             return empty
         return sep.join(plain(v, unset=unset, empty=empty, sep=sep, number=number) for v in value)
+    if isinstance(value, dict):  # constant metric labels: name=value, as their variable reads
+        if not value:
+            return empty
+        return sep.join(f"{k}={v}" for k, v in value.items())
     return str(value)
 
 

@@ -48,11 +48,14 @@ ENV_VARS: Mapping[str, EnvVar] = {
         EnvVar("GUARDRAILS_DISABLED_SITES", ("disabled_sites",), is_list=True),
         EnvVar("GUARDRAILS_CONFIG_FILE", ("config_file",)),
         EnvVar("GUARDRAILS_MIN_TEMPERATURE", ("min_temperature",)),
+        EnvVar("GUARDRAILS_STRICT_ATTACH", ("strict_attach",)),
+        EnvVar("GUARDRAILS_HOOKS", ("hooks",), is_list=True),
         EnvVar("GUARDRAILS_LOG_INTERVAL_S", ("reporting", "log_interval_s")),
         EnvVar("GUARDRAILS_LOG_FORMAT", ("reporting", "log_format")),
         EnvVar("GUARDRAILS_REPORT_EVERY", ("reporting", "every_calls")),
         EnvVar("GUARDRAILS_METRICS_PORT", ("metrics", "port")),
         EnvVar("GUARDRAILS_METRICS_ADDR", ("metrics", "addr")),
+        EnvVar("GUARDRAILS_METRICS_LABELS", ("metrics", "labels"), is_list=True),
     )
 }
 

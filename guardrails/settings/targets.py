@@ -13,9 +13,22 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
-__all__ = ["REF_SYNTAX", "TARGET_SYNTAX", "Ref", "Target", "parse_ref", "parse_target"]
+if TYPE_CHECKING:
+    from packaging.requirements import Requirement
+
+__all__ = [
+    "REF_SYNTAX",
+    "TARGET_SYNTAX",
+    "Ref",
+    "Target",
+    "installed_version",
+    "parse_ref",
+    "parse_requirement",
+    "parse_target",
+    "requirement_holds",
+]
 
 _IDENT: Final = r"[A-Za-z_][A-Za-z0-9_]*"
 _DOTTED: Final = rf"{_IDENT}(?:\.{_IDENT})*"
@@ -92,3 +105,41 @@ def parse_ref(text: str) -> Ref:
     if match["arg_name"] is not None:
         return Ref("arg", name=match["arg_name"], attrs=attrs)
     return Ref("arg", index=int(match["arg_index"]), attrs=attrs)
+
+
+# -- `when = "sglang>=0.5.14"`: which engine versions an attach point is for -----------------
+
+
+def parse_requirement(text: str) -> Requirement:
+    """A requirement string naming a distribution and a version range, no markers or extras.
+
+    Parsed with `packaging` (the grammar pip uses); nothing is imported or evaluated."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        requirement = Requirement(text)
+    except InvalidRequirement as exc:
+        raise ValueError(f"{text!r} is not a requirement such as 'sglang>=0.5.14': {exc}") from None
+    if requirement.marker is not None or requirement.extras or requirement.url:
+        raise ValueError(f"{text!r}: only a distribution name and a version range are allowed")
+    return requirement
+
+
+def installed_version(text: str) -> str | None:
+    """The installed version of the distribution `text` names, or None if not installed."""
+    import importlib.metadata
+
+    name = parse_requirement(text).name
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def requirement_holds(text: str) -> bool | None:
+    """Whether the installed distribution satisfies `text` (pre-releases count); None when
+    it is not installed."""
+    version = installed_version(text)
+    if version is None:
+        return None
+    return parse_requirement(text).specifier.contains(version, prereleases=True)

@@ -119,17 +119,53 @@ def test_a_pending_attach_point_applies_when_the_child_imports_its_module(
     assert "['pending'] ['applied'] [[-inf, 1.0]] 1" in proc.stdout
 
 
-def test_an_attach_point_that_does_not_fit_stops_the_child_at_import(tmp_path: Path) -> None:
+def _two_points(tmp_path: Path) -> Path:
+    """A config whose first point does not fit its target and whose second does."""
     write_engine(tmp_path, "launched_engine")
     config = tmp_path / "guardrails.toml"
     config.write_text(
         '[[attach]]\nsite = "sampler.logits"\ntarget = "launched_engine:sample"\n'
-        'tensor = "arg:hidden"\n',
+        'tensor = "arg:hidden"\n\n'
+        '[[attach]]\nsite = "model.logits"\ntarget = "launched_engine:sample"\n'
+        'tensor = "arg:logits"\n',
         encoding="utf-8",
     )
+    return config
+
+
+# The engine imports its module, samples once, and prints what guardrails saw.
+_ENGINE_RUN = (
+    "import torch, launched_engine\n"
+    "from guardrails.integrations.launcher import installed\n"
+    "out = launched_engine.sample(torch.tensor([[float('nan'), 1.0]]))\n"
+    "guards = installed()\n"
+    "print('carried on', [h.state for h in guards.patches()], out.tolist())\n"
+    "print(guards.attach_errors.failures[0][:2])\n"
+    "from prometheus_client import REGISTRY\n"
+    "print(REGISTRY.get_sample_value('guardrails_attach_errors_total',\n"
+    "    {'site': 'sampler.logits', 'target': 'launched_engine:sample', 'rank': '0'}))\n"
+)
+
+
+def test_an_attach_point_that_does_not_fit_never_stops_the_server(tmp_path: Path) -> None:
+    config = _two_points(tmp_path)
+    proc = launch(PY, "-c", _ENGINE_RUN, env={"PYTHONPATH": str(tmp_path)}, config=config)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    # The point that fits still guards: the NaN was healed to -inf.
+    assert lines[0] == "carried on ['failed', 'applied'] [[-inf, 1.0]]"
+    assert lines[1] == "('sampler.logits', 'launched_engine:sample')"
+    assert lines[2] == "1.0"  # guardrails_attach_errors_total
+    assert "guardrails.attach_error" in proc.stderr
+    assert "has no argument 'hidden'" in proc.stderr
+
+
+def test_strict_attach_stops_the_child_at_import(tmp_path: Path) -> None:
+    config = _two_points(tmp_path)
     # Even an import wrapped in `except Exception` cannot swallow it.
     code = "try:\n    import launched_engine\nexcept Exception:\n    pass\nprint('carried on')\n"
-    proc = launch(PY, "-c", code, env={"PYTHONPATH": str(tmp_path)}, config=config)
+    env = {"PYTHONPATH": str(tmp_path), "GUARDRAILS_STRICT_ATTACH": "true"}
+    proc = launch(PY, "-c", code, env=env, config=config)
     assert proc.returncode == 2
     assert f"{config}: attach[0].target='launched_engine:sample'" in proc.stderr
     assert "has no argument 'hidden'" in proc.stderr

@@ -83,3 +83,20 @@ def test_a_config_without_attach_points_passes(
     out = capsys.readouterr().out
     assert "torch" in out
     assert "guardrails check: ok (0 attach points" in out
+
+
+def test_points_for_other_versions_are_listed_as_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One profile, two versions of the same engine: the point for the installed version is
+    # checked, the other is skipped, not an error, even under --strict.
+    path = config(
+        tmp_path,
+        entry(f"{LP}:LogitsProcessorList.__call__") + 'when = "transformers>=4.0"\n',
+        entry(f"{LP}:LogitsProcessorList.gone") + 'when = "transformers<4.0"\n',
+    )
+    assert main(["check", "--strict", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped  sampler.logits <- transformers.generation.logits_process:" in out
+    assert "for transformers<4.0; " in out
+    assert "(2 attach points, 1 resolved, 0 not importable here, 1 for other versions" in out

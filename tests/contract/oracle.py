@@ -70,7 +70,14 @@ def largest_at_most(bound: float, dtype: torch.dtype) -> float:
 
 def default_posinf_value(dtype: torch.dtype, min_temperature: float = MIN_TEMPERATURE) -> float:
     """What +Inf becomes unless a value is configured."""
-    bound = min(1e30, 0.5 * torch.finfo(dtype).max * min(1.0, min_temperature))
+    # Top of its own dtype (greedy still picks it), finite after the temperature step the
+    # engines run in float32 (float64 for float64 logits).
+    sampling = torch.float64 if dtype == torch.float64 else torch.float32
+    bound = min(
+        1e30,
+        torch.finfo(dtype).max,
+        0.5 * torch.finfo(sampling).max * min(1.0, min_temperature),
+    )
     return largest_at_most(bound, dtype)
 
 
@@ -148,10 +155,12 @@ def expected_logits(
     return Expected(after.reshape(rows.shape), flags, counts)
 
 
-def expected_counts(x: torch.Tensor, *, count_neginf: bool = False) -> dict[str, int]:
-    """What guarding `x` adds to each count: `expected_logits(x).counts` without the healed
-    copy (the soak asks this of every dirty call)."""
-    return _Rows(x).flags_and_counts(count_neginf)[1]
+def expected_flags_and_counts(
+    x: torch.Tensor, *, count_neginf: bool = False
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """`expected_logits(x)`'s row flags and counts without the healed copy (the soak asks
+    this of every dirty call, from several threads)."""
+    return _Rows(x).flags_and_counts(count_neginf)
 
 
 def _bits_of(value: float, dtype: torch.dtype) -> int:

@@ -186,3 +186,23 @@ def test_kernel_is_built_where_triton_is_installed(
     built = triton_impl.kernel()
     assert isinstance(built, triton_impl.TritonLogitsKernel)
     assert built.name == "triton"
+
+
+@pytest.mark.parametrize("cut", ["whole_rows", "split_1", "split_2"])
+@pytest.mark.parametrize("view", ["rows_share_memory", "one_value_per_row", "one_value"])
+def test_detect_only_reads_memory_that_overlaps_itself_as_the_oracle_says(
+    kernels: dict[str, triton_impl.TritonLogitsKernel], cut: str, view: str
+) -> None:
+    # Healing refuses such views before any kernel runs (a shared value cannot be healed
+    # consistently); detect-only sites read them, on the GPU through this kernel: every
+    # logical entry is counted as what it holds.
+    row = torch.tensor([0.5, math.nan, math.inf, -math.inf, 2.0] * 8)
+    if view == "rows_share_memory":
+        x = row.expand(3, -1)  # row stride 0
+    elif view == "one_value_per_row":
+        x = torch.tensor([[math.nan], [1.0], [math.inf]]).expand(-1, 40)  # vocab stride 0
+    else:
+        x = torch.tensor(math.nan).expand(2, 40)  # both strides 0
+    kernel = kernels[cut]
+    mode = Mode(False, count_neginf=True)
+    _assert_as_the_oracle_says(kernel, x, mode, kernel.workspace(3, x.device), view)

@@ -251,3 +251,34 @@ def test_forked_child_reports_only_its_own_calls(multiproc_dir: Path) -> None:
     assert registry.get_sample_value("guardrails_guard_calls_total", labels) == 2
     nan = {**labels, "kind": "nan"}
     assert registry.get_sample_value("guardrails_nonfinite_values_total", nan) == 5
+
+
+def test_constant_labels_reach_the_engines_endpoint_per_worker(multiproc_dir: Path) -> None:
+    # vLLM and SGLang label their own series model_name / engine / tp_rank; each worker is
+    # told its own through GUARDRAILS_METRICS_LABELS, and the engine's collector (no extra
+    # port) shows guardrails' series beside its own with the same labels.
+    workers = [(0, "tp_rank=0"), (1, "tp_rank=1")]
+    procs = [
+        start(
+            worker_env(multiproc_dir, rank, GUARDRAILS_METRICS_LABELS=f"model_name=tiny, {labels}"),
+            2,
+            3,
+            rank + 1,
+            "close",
+        )
+        for rank, labels in workers
+    ]
+    for proc in procs:
+        finish(proc)
+    registry = aggregate(multiproc_dir)
+    for rank in (0, 1):
+        labels = {
+            "site": "sampler.logits",
+            "kind": "nan",
+            "rank": str(rank),
+            "model_name": "tiny",
+            "tp_rank": str(rank),
+        }
+        assert registry.get_sample_value("guardrails_nonfinite_values_total", labels) == 3 * (
+            rank + 1
+        )

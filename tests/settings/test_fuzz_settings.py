@@ -91,6 +91,12 @@ ACCEPTED: dict[str, list[Any]] = {
     "kind": ["logits"],
     "vocab_size_from": [],
     "vocab_size": [],
+    "when": ["sglang>=0.5.14", "vllm==0.33.0"],
+    "labels": [{}, {"model_name": "m"}, {"engine": "0", "tp_rank": "1"}],
+    "on_no_valid_token": ["sample"],
+    "eos_token_id": [2],
+    "logits_site": ["sampler.logits", "custom.site"],
+    "hooks": [[]],
 }
 REJECTED: dict[str, list[Any]] = {
     "enabled": [0.0, 1.0, 2, "", " false", "disable", "nein"],
@@ -113,8 +119,14 @@ REJECTED: dict[str, list[Any]] = {
     "kind": ["x", "token_ids"],
     "vocab_size_from": ["arg:logits", "return", "lambda: 1"],
     "vocab_size": [10, 0],
+    "when": ["sglang>=x", "sglang; os_name=='nt'", "__import__('os')"],
+    "labels": [{"site": "x"}, {"__x": "1"}, {"bad-name": "1"}, "model_name"],
+    "on_no_valid_token": ["eos", "error", ""],
+    "eos_token_id": [-1, 0.5, True],
+    "logits_site": ["bad name!", ""],
+    "hooks": [["nope"], "x"],
 }
-for _name in ("sanitize", "async_assert", "count_neginf"):
+for _name in ("sanitize", "async_assert", "count_neginf", "strict_attach"):
     ACCEPTED[_name] = ACCEPTED["enabled"]
     REJECTED[_name] = REJECTED["enabled"]
 
@@ -310,6 +322,8 @@ ENV_ACCEPTED: dict[str, list[str]] = {
     "GUARDRAILS_METRICS_PORT": ["0"],  # a served port is a fault test of its own
     "GUARDRAILS_METRICS_ADDR": ["127.0.0.1", "0.0.0.0", "::1"],
     "GUARDRAILS_CONFIG_FILE": [""],
+    "GUARDRAILS_METRICS_LABELS": ["", "model_name=m", "model_name=m,engine=0"],
+    "GUARDRAILS_HOOKS": [""],
 }
 ENV_REJECTED: dict[str, list[str]] = {
     "GUARDRAILS_ENABLED": ["", "2", "0.0", "disable", "nein"],
@@ -322,8 +336,10 @@ ENV_REJECTED: dict[str, list[str]] = {
     "GUARDRAILS_METRICS_PORT": ["65536", "-1", "http"],
     "GUARDRAILS_METRICS_ADDR": [""],
     "GUARDRAILS_CONFIG_FILE": ["/nonexistent/guardrails.toml", ".", "/dev/null/x"],
+    "GUARDRAILS_METRICS_LABELS": ["site=x", "model_name", "1x=y", "__a=b"],
+    "GUARDRAILS_HOOKS": ["nope", "vllm."],
 }
-for _name in ("GUARDRAILS_SANITIZE", "GUARDRAILS_ASYNC_ASSERT"):
+for _name in ("GUARDRAILS_SANITIZE", "GUARDRAILS_ASYNC_ASSERT", "GUARDRAILS_STRICT_ATTACH"):
     ENV_ACCEPTED[_name] = ENV_ACCEPTED["GUARDRAILS_ENABLED"]
     ENV_REJECTED[_name] = ENV_REJECTED["GUARDRAILS_ENABLED"]
 

@@ -37,6 +37,14 @@ GOOD_AND_BAD = {
     "GUARDRAILS_REPORT_EVERY": ("8", ("reporting", "every_calls"), 8, "0"),
     "GUARDRAILS_METRICS_PORT": ("9400", ("metrics", "port"), 9400, "70000"),
     "GUARDRAILS_METRICS_ADDR": ("0.0.0.0", ("metrics", "addr"), "0.0.0.0", ""),
+    "GUARDRAILS_METRICS_LABELS": (
+        "model_name=m, engine=0",
+        ("metrics", "labels"),
+        {"model_name": "m", "engine": "0"},
+        "site=x",
+    ),
+    "GUARDRAILS_STRICT_ATTACH": ("on", ("strict_attach",), True, "2"),
+    "GUARDRAILS_HOOKS": ("", ("hooks",), (), "no.such.hook"),
 }
 
 
@@ -374,3 +382,13 @@ def test_config_file_behind_a_symlink_is_read(tmp_path: Path) -> None:
 def test_config_path_with_an_unknown_user_is_an_error() -> None:
     with pytest.raises(gr.ConfigError, match="GUARDRAILS_CONFIG_FILE"):
         gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": "~no-such-user-guardrails/g.toml"})
+
+
+@pytest.mark.parametrize("name", ["bad name!", "", "x" * 101, "sampler/logits"])
+def test_a_site_table_with_an_invalid_name_is_refused(tmp_path: Path, name: str) -> None:
+    # Site names become metric label values: a [sites."..."] key is held to the same rule as
+    # an [[attach]] site (it used to be accepted and only failed when a site was made).
+    path = tmp_path / "g.toml"
+    path.write_text(f'[sites."{name}"]\nsanitize = true\n', encoding="utf-8")
+    with pytest.raises(gr.ConfigError, match="invalid site name"):
+        gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(path)})

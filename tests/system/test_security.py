@@ -224,14 +224,23 @@ def rejected_document(sentinel: Path) -> str:
             f"target = {q}",
             f"tensor = {q}",
             f"vocab_size_from = {q}",
+            f"when = {q}",
         ]
-        lines += [f'[sites."sampler.logits{i}"]', f"dtypes = [{q}]", f"abort_on = [{q}]"]
+        lines += [
+            f'[sites."sampler.logits{i}"]',
+            f"dtypes = [{q}]",
+            f"abort_on = [{q}]",
+            f"logits_site = {q}",
+        ]
+        lines += [f"[sites.{q}]", "count_neginf = true"]  # site names become metric labels
     first = toml.string(payloads(sentinel)[0])
     head = [
         f"enabled = {first}",
         f"enabled_sites = [{first}]",
         f"disabled_sites = [{first}]",
         f"min_temperature = {first}",
+        f"hooks = [{first}]",
+        f"strict_attach = {first}",
         f"{first} = {first}",
         "[reporting]",
         f"log_format = {first}",
@@ -242,10 +251,11 @@ def rejected_document(sentinel: Path) -> str:
 
 
 def accepted_document(sentinel: Path) -> str:
-    """Payloads only where any string is accepted: a site table's name (the metrics address
-    must now be an IP address or a host name). The settings build; the strings stay strings."""
-    lines = [f"[sites.{toml.string(p)}]\ncount_neginf = true" for p in payloads(sentinel)]
-    return "\n".join(lines) + "\n"
+    """Payloads only where any string is accepted: constant metric label values (site table
+    names must now be site names, the metrics address an IP address or a host name). The
+    settings build; the strings stay strings, down to the exported series."""
+    lines = [f"l{i} = {toml.string(p)}" for i, p in enumerate(payloads(sentinel))]
+    return "[metrics.labels]\n" + "\n".join(lines) + "\n"
 
 
 def run_cli(args: Sequence[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -287,9 +297,12 @@ def test_config_file_strings_stay_strings_when_accepted(tmp_path: Path) -> None:
     path = tmp_path / "guardrails.toml"
     path.write_text(accepted_document(sentinel), encoding="utf-8")
     settings_ = GuardSettings(environ={}, config_file=path)
-    assert set(payloads(sentinel)) <= set(settings_.sites)
-    with Guardrails(settings_, registry=CollectorRegistry()) as guards:
+    assert set(payloads(sentinel)) == set(settings_.metrics.labels.values())
+    registry = CollectorRegistry()
+    with Guardrails(settings_, registry=registry) as guards:
         guards.site("sampler.logits")(torch.tensor([[math.nan, 0.0]]))
+    labels = {"site": "sampler.logits", "kind": "nan", "rank": "0", **settings_.metrics.labels}
+    assert registry.get_sample_value("guardrails_nonfinite_values_total", labels) == 1.0
     launched = run_cli(
         ["run", "--config", str(path), "--", sys.executable, "-c", "import guardrails"],
         clean_env(),

@@ -51,6 +51,13 @@ def test_soak_heals_every_dirty_call(soaked: SoakResult) -> None:
     assert soaked.unhealed_calls == 0
 
 
+def test_soak_every_call_gets_its_own_flags_under_threads(soaked: SoakResult) -> None:
+    # Four threads share one site a quarter of the time: each call's returned flags must be
+    # the oracle's for that call's own tensor (a shared buffer would hand out another's).
+    assert soaked.dirty_calls > 0
+    assert soaked.wrong_flag_calls == 0
+
+
 def test_soak_counts_of_every_instance_are_exact(soaked: SoakResult) -> None:
     assert soaked.counted == soaked.expected
 

@@ -37,7 +37,7 @@ from typing import IO, Any
 
 import torch
 
-from tests.contract.oracle import expected_counts
+from tests.contract.oracle import expected_flags_and_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS, VOCAB = 4, 64
@@ -142,6 +142,8 @@ class SoakResult:
     # (generation, site) -> (log events, bound from the throttle)
     log_events: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
     unhealed_calls: int = 0
+    # Calls whose returned row flags were not the oracle's for that call's own tensor.
+    wrong_flag_calls: int = 0
     worker_errors: list[str] = field(default_factory=list)
     threads_before: int = 0
     threads_max: int = 0
@@ -164,6 +166,8 @@ class SoakResult:
             out.append(f"made {self.calls} calls, meant {self.config.calls}")
         if self.unhealed_calls:
             out.append(f"{self.unhealed_calls} calls left NaN or +Inf in the logits")
+        if self.wrong_flag_calls:
+            out.append(f"{self.wrong_flag_calls} calls returned flags not their own call's")
         if self.counted != self.expected:
             out.append(f"counts() differ from the oracle: {self.counted} != {self.expected}")
         exported = self.exported_expected()
@@ -190,10 +194,11 @@ class SoakResult:
         return out
 
 
-def _oracle(x: torch.Tensor, *, count_neginf: bool) -> list[int]:
-    """The oracle's counts for one call on `x`, in KINDS order (the call included)."""
-    counts = expected_counts(x, count_neginf=count_neginf)
-    return [*(counts[kind] for kind in KINDS[:-1]), 1]
+def _oracle(x: torch.Tensor, *, count_neginf: bool) -> tuple[torch.Tensor, list[int]]:
+    """The oracle's row flags and counts for one call on `x`, counts in KINDS order (the call
+    included)."""
+    flags, counts = expected_flags_and_counts(x, count_neginf=count_neginf)
+    return flags, [*(counts[kind] for kind in KINDS[:-1]), 1]
 
 
 def _inject(x: torch.Tensor, rng: random.Random) -> None:
@@ -243,8 +248,12 @@ def _drive(
             dirty = rng.random() < config.dirty
             if dirty:
                 _inject(x, rng)
-                expect = _oracle(x, count_neginf=shared)
-            site(x)
+                expect_flags, expect = _oracle(x, count_neginf=shared)
+            flags = site(x)
+            # Read at once, before this thread's next call: they must be this call's own
+            # flags, whatever the other threads do on the same site meanwhile.
+            if not (torch.equal(flags, expect_flags) if dirty else not bool(flags.any())):
+                stats["wrong_flags"] += 1
             tally = tallies.setdefault((generation.number, site.name), [0] * len(KINDS))
             if dirty:
                 for i, value in enumerate(expect):
@@ -287,7 +296,7 @@ def soak(config: SoakConfig) -> SoakResult:
     opened = 1
     state = _State(generation)
     tallies: list[dict[tuple[int, str], list[int]]] = [{} for _ in range(config.threads)]
-    stats = [{"dirty": 0, "unhealed": 0} for _ in range(config.threads)]
+    stats = [{"dirty": 0, "unhealed": 0, "wrong_flags": 0} for _ in range(config.threads)]
     quotas = [config.calls // config.threads] * config.threads
     quotas[0] += config.calls - sum(quotas)
     workers = [
@@ -343,6 +352,7 @@ def soak(config: SoakConfig) -> SoakResult:
         result.rss_growth_bytes = rss_end - rss_start
     result.worker_errors = errors
     result.unhealed_calls = sum(s["unhealed"] for s in stats)
+    result.wrong_flag_calls = sum(s["wrong_flags"] for s in stats)
     result.dirty_calls = sum(s["dirty"] for s in stats)
     result.calls = sum(done)
 

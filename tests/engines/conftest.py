@@ -1,0 +1,52 @@
+"""Shared by the real-engine suites (`make engines`; never collected by `make test`).
+
+Each suite runs inside its engine's own venv (`.ci/engines/build.sh`), named by ENGINE_SUITE
+(for example `sglang-0.5.23`). `outcome` records what one case observed, unguarded and
+guarded, into ENGINE_RESULTS (JSON lines); `python -m tests.engines.summary` prints the table
+of every suite's records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ENGINE = os.environ.get("ENGINE_SUITE", "")
+
+
+def engine_version() -> tuple[str, str]:
+    """(engine, version) of the venv this suite runs in, from ENGINE_SUITE."""
+    name, _, version = ENGINE.partition("-")
+    return name, version
+
+
+@pytest.fixture
+def outcome() -> Callable[..., None]:
+    """`outcome(component=, dtype=, mode=, fault=, unguarded=, guarded=)`: one table row."""
+    path = os.environ.get("ENGINE_RESULTS")
+
+    def record(
+        *, component: str, dtype: str, mode: str, fault: str, unguarded: str, guarded: str
+    ) -> None:
+        if not path:
+            return
+        engine, version = engine_version()
+        row = {
+            "engine": engine,
+            "version": version,
+            "component": component,
+            "dtype": dtype,
+            "mode": mode,
+            "fault": fault,
+            "unguarded": unguarded,
+            "guarded": guarded,
+        }
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(row) + "\n")
+
+    return record
