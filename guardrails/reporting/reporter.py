@@ -260,6 +260,8 @@ class Reporter:
             "metrics_port": settings.metrics.port,
             "metrics_addr": settings.metrics.addr if settings.metrics.port else None,
             "config_file": None if config is None else str(config),
+            "hooks": list(settings.hooks),
+            "strict_attach": settings.strict_attach,
             "warnings": list(warnings),
         }
         # Best effort, not counted: a logger that fails here fails on the first real event
