@@ -1,7 +1,8 @@
 """The token-id guard: out-of-vocab ids flagged, counted and replaced in place.
 
-Token-id tensors are a few bytes per row, so one branch-free pass of whole-tensor ops is
-always cheap, on every device, and never synchronises with the host.
+Token-id tensors are a few bytes per row. On an accelerator one branch-free pass of
+whole-tensor ops never synchronises with the host; on the CPU, where a host branch is free,
+one `aminmax` proves a clean batch clean first and only a batch with a bad id pays the pass.
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ def guard_token_ids_(
     """Flag, count and (if `sanitize`) replace ids outside [0, vocab_size), in place.
 
     Rows: one per id for 0-d and 1-d ids, one per `[..., k]` slice otherwise.
-    Token-id tensors are a few bytes per row, so one branch-free pass is always cheap.
     """
     # Compared against the largest valid id, clamped to what the dtype holds: torch casts a
     # Python int to the tensor's dtype, so `ids >= 128` on int8 ids wrapped to `ids >= -128`
     # and flagged (and replaced) every valid id whenever vocab_size exceeded the dtype.
     high = min(vocab_size - 1, torch.iinfo(ids.dtype).max)
+    if ids.device.type == "cpu" and ids.numel():
+        # On the CPU a host branch is free: one reduction proves a clean batch clean (the
+        # common case), where the branch-free pass below costs a dozen small ops, about
+        # 100 us on a loaded 2-core machine, as much as a greedy decode step's argmax.
+        lowest, highest = torch.aminmax(ids)
+        if lowest.item() >= 0 and highest.item() <= high:
+            flags.zero_()
+            return
     oob = (ids < 0) | (ids > high)
     row = oob.any(-1) if ids.dim() >= 2 else oob
     flags.copy_(row.reshape(-1).to(_U8) * int(RowFlag.OOB_TOKEN))
