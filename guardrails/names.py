@@ -45,6 +45,9 @@ KNOWN_SITES: Final[Mapping[str, str]] = {
 KNOWN_HOOKS: Final[Mapping[str, str]] = {
     # vLLM V1: end a request whose logits had no valid token with finish_reason="error".
     "vllm.end_poisoned_requests": "guardrails.integrations.vllm:end_poisoned_requests",
+    # SGLang: end a request whose sampler.logits row matches abort_on through SGLang's own
+    # FINISH_ABORT (HTTP 503), its KV kept out of the prefix cache.
+    "sglang.abort_poisoned_requests": "guardrails.integrations.sglang:abort_poisoned_requests",
 }
 
 LOGGER_NAME: Final = "guardrails"

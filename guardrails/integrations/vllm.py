@@ -29,18 +29,17 @@ engine's call goes on as if unhooked.
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
-import wrapt
+
+from guardrails.integrations._hooks import MethodHook, OnceLog
 
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
 
-__all__ = ["PoisonedRequestsHook", "end_poisoned_requests"]
+__all__ = ["end_poisoned_requests"]
 
 SITE: Final = "sampler.logits"
 HOOK: Final = "vllm.end_poisoned_requests"
@@ -51,79 +50,13 @@ SCHEDULER_TARGET: Final = "Scheduler.update_from_output"
 # _bookkeeping_sync returns (num_nans_in_logits, num_nans, ..., req_id_to_index, ...).
 _NANS_DICT, _NANS_DEVICE, _REQ_ID_TO_INDEX = 0, 1, 6
 
-_log = logging.getLogger("guardrails")
 
-
-def end_poisoned_requests(guards: Guardrails) -> list[PoisonedRequestsHook]:
+def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     """Install both halves (each when its vLLM module is imported); returns their handles."""
     return [
-        PoisonedRequestsHook(guards, RUNNER_MODULE, RUNNER_TARGET, _RunnerHalf(guards)),
-        PoisonedRequestsHook(guards, SCHEDULER_MODULE, SCHEDULER_TARGET, _SchedulerHalf()),
+        MethodHook(guards, HOOK, RUNNER_MODULE, RUNNER_TARGET, _RunnerHalf(guards)),
+        MethodHook(guards, HOOK, SCHEDULER_MODULE, SCHEDULER_TARGET, _SchedulerHalf()),
     ]
-
-
-class PoisonedRequestsHook:
-    """One wrapped vLLM method; `.state` is pending, applied, error or removed."""
-
-    def __init__(
-        self, guards: Guardrails, module: str, target: str, half: Callable[..., Any]
-    ) -> None:
-        self.module, self.target, self._half = module, target, half
-        self._guards = guards
-        self._wrapper: Any = None
-        self.state = "pending"
-        wrapt.register_post_import_hook(self._apply, module)
-
-    def _apply(self, module: Any) -> None:
-        if self.state != "pending":
-            return
-        try:
-            owner_name, _, method = self.target.partition(".")
-            owner = getattr(module, owner_name)
-            if not callable(getattr(owner, method, None)):
-                raise AttributeError(f"{module.__name__}.{self.target} is not a function")
-            wrapt.wrap_function_wrapper(owner, method, self._call)
-            self._wrapper = getattr(owner, "__dict__", {}).get(method)
-            self._owner, self._method = owner, method
-            self.state = "applied"
-        except Exception as exc:
-            self.state = "error"
-            self._guards.attach_errors.record(
-                site=HOOK, target=f"{self.module}:{self.target}", error=exc
-            )
-
-    def _call(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-        if self.state != "applied":
-            return wrapped(*args, **kwargs)
-        return self._half(wrapped, instance, args, kwargs)
-
-    def remove(self) -> None:
-        """Unwrap (when nothing wrapped it since); a pending hook simply never applies."""
-        if self.state == "applied":
-            current = self._owner.__dict__.get(self._method)
-            if current is self._wrapper:
-                setattr(self._owner, self._method, current.__wrapped__)
-        self.state = "removed"
-
-
-class _Once:
-    """Log our own failure once per half, then keep counting silently (never raise)."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.failures = 0
-
-    def __call__(self, exc: BaseException) -> None:
-        self.failures += 1
-        if self.failures == 1:
-            _log.warning(
-                "guardrails.hook_error hook=%s part=%s error=%s: %s (the engine goes on "
-                "unhooked for this call; logged once)",
-                HOOK,
-                self.what,
-                type(exc).__name__,
-                exc,
-            )
 
 
 class _RunnerHalf:
@@ -131,7 +64,7 @@ class _RunnerHalf:
 
     def __init__(self, guards: Guardrails) -> None:
         self._guards = guards
-        self._failed = _Once(RUNNER_TARGET)
+        self._failed = OnceLog(HOOK, RUNNER_TARGET)
         self._local = threading.local()  # per model-runner thread: calls seen, host mirror
 
     def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -208,7 +141,7 @@ class _SchedulerHalf:
     """Scheduler side: end each request the model runner reported NaNs for, with an error."""
 
     def __init__(self) -> None:
-        self._failed = _Once(SCHEDULER_TARGET)
+        self._failed = OnceLog(HOOK, SCHEDULER_TARGET)
 
     def __call__(self, wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:

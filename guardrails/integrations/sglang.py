@@ -1,0 +1,200 @@
+"""SGLang hook `sglang.abort_poisoned_requests`: end a request whose logits could not be healed
+through SGLang's own abort path (FINISH_ABORT), its KV kept out of the prefix cache.
+
+    hooks = ["sglang.abort_poisoned_requests"]       # config file, top level
+    [sites."sampler.logits"]
+    abort_on = ["no_valid_token"]
+
+A row with no valid token (all NaN, or all -inf) is healed to uniform logits, and the token
+sampled from it means nothing (SGLang issue #33187: the request carried on). SGLang ends a
+request it must not continue by setting `req.to_finish = FINISH_ABORT(message, status)`: the
+scheduler's result processing turns that into the request's finish reason, and the client
+gets that HTTP status (non-streaming) or a final chunk with finish_reason type "abort" and
+the status (streaming). `req.skip_radix_cache_insert = True` keeps its KV out of the prefix
+cache when it is released (both 0.5.13 and 0.5.23 honour it). Two halves, joined by an
+attribute on the step's `LogitsProcessorOutput`:
+
+- sampler (`Sampler.forward`, after the call): the rows whose `sampler.logits` flags of this
+  call intersect that site's `abort_on` become a new bool tensor (enqueued on the device, no
+  sync), copied non-blocking into pinned host memory on CUDA, and kept on the call's
+  `logits_output`.
+- scheduler (`SchedulerBatchResultProcessor.process_batch_result_prefill` / `_decode`, before
+  the call): each marked row's request (`batch.reqs[row]`) gets FINISH_ABORT (503) and
+  `skip_radix_cache_insert`; SGLang's own code then finishes and releases it.
+
+Where the host reads the marks, and why that adds no sync: with overlap scheduling after
+`result.copy_done.synchronize()`, the event SGLang itself waits on first thing in the wrapped
+call; it is recorded on the copy stream after that stream waited for the forward stream that
+enqueued our copy. Without overlap there is no event and SGLang reads the sampled ids with
+`.tolist()` in the same call, which waits for the same stream; our read is that wait, a few
+microseconds earlier. Nothing here imports SGLang: each half waits for its module's import
+(wrapt post-import hooks). Any exception of ours is logged once per half and the engine's
+call goes on as if unhooked.
+
+Not covered: speculative verification (`eagle_sample` samples bs * draft_token_num rows that
+do not map one to one onto requests; its logits are healed, not ended), and with watermark
+`logprob_logits` the marks are those of the sampler's second (logprob) preprocessing call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+
+from guardrails.integrations._hooks import MethodHook, OnceLog
+
+if TYPE_CHECKING:
+    from guardrails.service import Guardrails
+
+__all__ = ["ABORT_MESSAGE", "abort_poisoned_requests"]
+
+SITE: Final = "sampler.logits"
+HOOK: Final = "sglang.abort_poisoned_requests"
+SAMPLER_MODULE: Final = "sglang.srt.layers.sampler"
+SAMPLER_TARGET: Final = "Sampler.forward"
+RESULTS_MODULE: Final = "sglang.srt.managers.scheduler_components.batch_result_processor"
+RESULTS_TARGETS: Final = (
+    "SchedulerBatchResultProcessor.process_batch_result_prefill",
+    "SchedulerBatchResultProcessor.process_batch_result_decode",
+)
+# The attribute that carries one step's marks from the sampler to the scheduler.
+MARKS_ATTR: Final = "_guardrails_abort_rows"
+ABORT_MESSAGE: Final = (
+    "guardrails: the model produced logits with no valid token for this request "
+    "(NaN or -inf everywhere); it was aborted instead of sampling from healed logits"
+)
+# 503 like SGLang's own timeout aborts: the server failed this request, a retry may succeed.
+ABORT_STATUS: Final = HTTPStatus.SERVICE_UNAVAILABLE
+ABORT_ERR_TYPE: Final = "ServiceUnavailableError"
+
+_log = logging.getLogger("guardrails")
+
+
+def abort_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
+    """Install the sampler half and both scheduler halves (each when its SGLang module is
+    imported); returns their handles. Nothing is wrapped when `sampler.logits` is disabled
+    or its `abort_on` is empty: decided here, once."""
+    enabled = guards.is_enabled(SITE) and bool(guards.settings.site_settings(SITE).abort_flags)
+    sampler = _SamplerHalf(guards)
+    scheduler = _SchedulerHalf()
+    hooks = [MethodHook(guards, HOOK, SAMPLER_MODULE, SAMPLER_TARGET, sampler, enabled)]
+    hooks += [
+        MethodHook(guards, HOOK, RESULTS_MODULE, target, scheduler, enabled)
+        for target in RESULTS_TARGETS
+    ]
+    return hooks
+
+
+class _Marks:
+    """One step's abort rows: the device tensor, and its host copy once it is enqueued."""
+
+    __slots__ = ("device", "host")
+
+    def __init__(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        self.device = device
+        self.host = host
+
+
+class _SamplerHalf:
+    """Keep the rows of this sampler call that match `abort_on` on its `logits_output`."""
+
+    def __init__(self, guards: Guardrails) -> None:
+        self._guards = guards
+        self._mask = guards.settings.site_settings(SITE).abort_flags
+        self._failed = OnceLog(HOOK, SAMPLER_TARGET)
+        self._local = threading.local()
+
+    def __call__(self, wrapped: Any, sampler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        site = None
+        before = -1
+        try:
+            site = self._guards.site(SITE)
+            before = site.calls
+        except Exception as exc:
+            self._failed(exc)
+        result = wrapped(*args, **kwargs)
+        if site is None:
+            return result
+        try:
+            self._keep(site, before, args, kwargs)
+        except Exception as exc:
+            self._failed(exc)
+        return result
+
+    def _keep(self, site: Any, before: int, args: tuple[Any, ...], kwargs: Any) -> None:
+        if site.calls == before:
+            return  # the guard did not run in this call (a disabled point, an error)
+        flags = site.recent_flags()
+        if flags is None:
+            return
+        logits_output = args[0] if args else kwargs["logits_output"]
+        # A new tensor, enqueued now: with overlap scheduling the next step's sampler
+        # rewrites the flags buffer before this step's result is processed.
+        marks = flags.bitwise_and(self._mask).ne(0)
+        if marks.device.type == "cpu":
+            host = marks
+        else:
+            # Pinned (the caching host allocator reuses the block) so the copy is
+            # asynchronous; it is complete once SGLang's copy_done event is.
+            host = torch.empty(marks.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(marks, non_blocking=True)
+        setattr(logits_output, MARKS_ATTR, _Marks(marks, host))
+
+
+class _SchedulerHalf:
+    """Before SGLang processes a step's results: abort the requests of the marked rows."""
+
+    def __init__(self) -> None:
+        self._failed = OnceLog(HOOK, "SchedulerBatchResultProcessor.process_batch_result_*")
+
+    def __call__(self, wrapped: Any, processor: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        try:
+            batch = args[0] if args else kwargs["batch"]
+            result = args[1] if len(args) > 1 else kwargs["result"]
+            self._abort_marked(batch, result)
+        except Exception as exc:
+            self._failed(exc)
+        return wrapped(*args, **kwargs)
+
+    def _abort_marked(self, batch: Any, result: Any) -> None:
+        logits_output = getattr(result, "logits_output", None)
+        marks: _Marks | None = getattr(logits_output, MARKS_ATTR, None)
+        if marks is None:
+            return
+        setattr(logits_output, MARKS_ATTR, None)  # once per step, also under overlap
+        copy_done = getattr(result, "copy_done", None)
+        if copy_done is not None:
+            copy_done.synchronize()  # SGLang's own first wait in this call (docstring)
+            rows = marks.host.tolist()
+        else:
+            rows = marks.device.tolist()  # the wait SGLang's own .tolist() makes here
+        if not any(rows):
+            return
+        reqs = batch.reqs
+        if len(rows) != len(reqs):
+            raise ValueError(f"{len(rows)} sampler rows for {len(reqs)} requests")
+        from sglang.srt.managers.schedule_batch import (  # type: ignore[import-not-found, unused-ignore]
+            FINISH_ABORT,  # loaded by now: the scheduler imported it
+        )
+
+        aborted = 0
+        for row, poisoned in enumerate(rows):
+            req = reqs[row]
+            if not poisoned or req.finished() or req.to_finish is not None:
+                continue
+            req.to_finish = FINISH_ABORT(ABORT_MESSAGE, ABORT_STATUS, ABORT_ERR_TYPE)
+            req.skip_radix_cache_insert = True
+            aborted += 1
+        if aborted:
+            # A count, never the request ids: logs carry no request data (docs/reliability.md).
+            _log.warning(
+                "guardrails.request_aborted hook=%s site=%s requests=%d status=%d",
+                HOOK,
+                SITE,
+                aborted,
+                int(ABORT_STATUS),
+            )
