@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: demo test lint typecheck pytest bench docs reliability install clean
+.PHONY: demo test lint typecheck pytest bench docs reliability engines install clean
 
 # pip's own progress is shown: on a fresh clone the torch download alone takes minutes.
 $(STAMP): pyproject.toml .ci/constraints.txt
@@ -48,5 +48,11 @@ bench: $(STAMP)
 reliability: $(STAMP)
 	$(BIN)/python -m benchmarks.reliability
 
+# The real engines (SGLang before and after 0.5.14, vLLM), each in its own venv under .engines/
+# with torch pinned to the CPU build, driven with faults injected; prints the table of what
+# each engine did unguarded and guarded. See .ci/engines/ and tests/engines/.
+engines: $(STAMP)
+	bash .ci/engines/run.sh
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .engines .pytest_cache .mypy_cache .ruff_cache .hypothesis
