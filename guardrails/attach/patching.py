@@ -64,16 +64,10 @@ Guard = Callable[..., Any]
 _MARKER = "__guardrails_patch__"
 
 
-class GuardErrors:
-    """Where the patches of one `Guardrails` count the calls they leave unguarded.
-
-    `registry` and `logger` are the owner's (None: prometheus-client's global registry,
-    `guardrails.logs.HostLogger`: the host's structlog or the standard library's "guardrails"
-    logger). Holds no lock: the once-per-(site, reason) log is
-    decided by one atomic `dict.setdefault`, so nothing is held while host code (metrics,
-    logging) runs, and a forked child inherits nothing locked. A failing registry or logger
-    is swallowed: the engine's call must go on.
-    """
+class _Recorder:
+    """What `GuardErrors` and `AttachErrors` share: the owner's registry, constant labels
+    and logger (None: prometheus-client's global registry; `guardrails.logs.HostLogger`, the
+    host's structlog or the standard library's "guardrails" logger)."""
 
     def __init__(
         self, registry: Any = None, logger: Any = None, labels: dict[str, str] | None = None
@@ -85,6 +79,22 @@ class GuardErrors:
 
             logger = HostLogger()
         self._logger = logger
+
+
+class GuardErrors(_Recorder):
+    """Where the patches of one `Guardrails` count the calls they leave unguarded.
+
+    `registry`, `logger` and `labels` are the owner's (see `_Recorder`). Holds no lock: the
+    once-per-(site, reason) log is
+    decided by one atomic `dict.setdefault`, so nothing is held while host code (metrics,
+    logging) runs, and a forked child inherits nothing locked. A failing registry or logger
+    is swallowed: the engine's call must go on.
+    """
+
+    def __init__(
+        self, registry: Any = None, logger: Any = None, labels: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(registry, logger, labels)
         self._family: Any = None
         self._rank = "0"
         self._series: dict[tuple[str, str], Any] = {}
@@ -135,7 +145,7 @@ class GuardErrors:
         return child
 
 
-class AttachErrors:
+class AttachErrors(_Recorder):
     """Where one `Guardrails` counts the attach points and hooks that could not be applied.
 
     A target that does not resolve (an engine version without that method, a hook whose
@@ -148,13 +158,7 @@ class AttachErrors:
     def __init__(
         self, registry: Any = None, logger: Any = None, labels: dict[str, str] | None = None
     ) -> None:
-        self._registry = registry
-        self._labels = labels or {}
-        if logger is None:
-            from guardrails.logs import HostLogger  # late: structlog only when it logs
-
-            logger = HostLogger()
-        self._logger = logger
+        super().__init__(registry, logger, labels)
         self._lock = threading.Lock()
         self.failures: list[tuple[str, str, str]] = []  # (site, target, error), in order
 

@@ -97,31 +97,27 @@ def test_sampler_forward_guarded_by_the_profile(
     reference = None
     if masked is not None:
         reference, _ = sample(engine, masked, mode)
-    with guarded() as guards:
-        try:
-            ids, output = sample(engine, logits, mode, return_logprob=True)
-        except Exception as exc:  # recorded for the table, then the test fails
-            guarded_crash = f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}"
-            outcome(
-                component="Sampler.forward",
-                dtype=dtype,
-                mode=mode,
-                fault=fault,
-                unguarded=unguarded,
-                guarded=f"STILL FAILS: {guarded_crash}",
-            )
-            raise
-        flags = guards.site(SITE).recent_flags()
-        counts = site_counts(guards)
-    if fault == "posinf" and ids[FAULT_ROW].item() != POSINF_COL:
+
+    def record(guarded_outcome: str) -> None:
         outcome(
             component="Sampler.forward",
             dtype=dtype,
             mode=mode,
             fault=fault,
             unguarded=unguarded,
-            guarded=f"STILL WRONG: {describe(ids)}, +Inf entry {POSINF_COL} lost its rank",
+            guarded=guarded_outcome,
         )
+
+    with guarded() as guards:
+        try:
+            ids, output = sample(engine, logits, mode, return_logprob=True)
+        except Exception as exc:  # recorded for the table, then the test fails
+            record(f"STILL FAILS: {type(exc).__name__}: {str(exc).splitlines()[0][:70]}")
+            raise
+        flags = guards.site(SITE).recent_flags()
+        counts = site_counts(guards)
+    if fault == "posinf" and ids[FAULT_ROW].item() != POSINF_COL:
+        record(f"STILL WRONG: {describe(ids)}, +Inf entry {POSINF_COL} lost its rank")
 
     expected_flags = [0] * logits.shape[0]
     expected_flags[FAULT_ROW] = int(FLAGS[fault])
@@ -141,14 +137,7 @@ def test_sampler_forward_guarded_by_the_profile(
         what = f"+Inf entry {POSINF_COL} sampled"
     else:
         what = "no crash, row flagged no_valid_token (ended by the hook)"
-    outcome(
-        component="Sampler.forward",
-        dtype=dtype,
-        mode=mode,
-        fault=fault,
-        unguarded=unguarded,
-        guarded=f"{describe(ids)}: {what}",
-    )
+    record(f"{describe(ids)}: {what}")
 
 
 def test_the_sampler_site_guards_whatever_sglang_sanitize_nan_logits_says(
