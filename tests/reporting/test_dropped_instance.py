@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
-import subprocess
-import sys
 import weakref
 from pathlib import Path
 
@@ -20,8 +17,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from guardrails.testing import fresh_guardrails
+from tests.processes import child_env, run_python
 
-ROOT = Path(__file__).resolve().parents[2]
 NAN = {"site": "sampler.logits", "kind": "nan", "rank": "0"}
 CALLS = {"site": "sampler.logits", "rank": "0"}
 
@@ -63,17 +60,8 @@ gc.collect()  # a dropped instance may be collected at any time before exit
 def test_an_instance_dropped_before_exit_leaves_exact_counters(tmp_path: Path) -> None:
     directory = tmp_path / "multiproc"
     directory.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARDRAILS_")}
-    env.update(PROMETHEUS_MULTIPROC_DIR=str(directory), RANK="0")
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    env = child_env(PROMETHEUS_MULTIPROC_DIR=str(directory), RANK="0")
+    done = run_python("-c", CHILD, env=env)
     assert done.returncode == 0, done.stderr
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(directory))

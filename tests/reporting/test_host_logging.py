@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import structlog
@@ -25,8 +22,8 @@ from structlog.testing import capture_logs
 
 from guardrails.names import LOGGER_NAME, NONFINITE_EVENT, STARTED_EVENT
 from guardrails.testing import fresh_guardrails
+from tests.processes import run_python
 
-ROOT = Path(__file__).resolve().parents[2]
 LOGITS = "sampler.logits"
 
 
@@ -139,17 +136,7 @@ guards.close()
 
 
 def run_child(mode: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARDRAILS_")}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    return subprocess.run(
-        [sys.executable, "-c", CHILD, mode],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return run_python("-c", CHILD, mode)
 
 
 def test_an_unconfigured_process_prints_nothing_to_stdout() -> None:

@@ -27,8 +27,8 @@ from structlog.testing import capture_logs
 from guardrails import ConfigError
 from guardrails.reporting.exposition import listens_on
 from guardrails.testing import fresh_guardrails
+from tests.processes import child_env, run_python
 
-ROOT = Path(__file__).resolve().parents[2]
 LOGITS = "sampler.logits"
 
 
@@ -133,17 +133,8 @@ def test_every_sampling_call_survives_a_multiprocess_file_and_a_metrics_port(
 ) -> None:
     path = tmp_path / "not-a-directory"
     path.write_text("", encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARDRAILS_")}
-    env.update(PROMETHEUS_MULTIPROC_DIR=str(path), GUARDRAILS_METRICS_PORT=str(free_port()))
-    done = subprocess.run(
-        [sys.executable, "-c", FIRST_CALL],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    env = child_env(PROMETHEUS_MULTIPROC_DIR=str(path), GUARDRAILS_METRICS_PORT=str(free_port()))
+    done = run_python("-c", FIRST_CALL, env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"flags": [1, 0], "healed": True, "nan": 4}
     events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]

@@ -10,15 +10,13 @@ regression that deadlocks cannot hang the test run itself (the child is killed).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.processes import run_python
+
 ACTIONS = ("poll", "flush", "close", "new_site", "new_device")
 
 CHILD = r"""
@@ -92,18 +90,8 @@ os._exit(0)  # a deadlocked thread holds a reporter's lock: no exit hooks
 
 @pytest.fixture(scope="module", params=["structlog", "logging"])
 def outcome(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARDRAILS_")}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", CHILD, request.param, ",".join(ACTIONS)],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
+        done = run_python("-c", CHILD, request.param, ",".join(ACTIONS), timeout=600)
     except subprocess.TimeoutExpired:
         pytest.fail(f"the {request.param} child did not finish: a scenario blocked for good")
     assert done.returncode == 0, done.stderr[-3000:]

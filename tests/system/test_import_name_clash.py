@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from guardrails.cli.main import main
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.processes import ROOT, child_env, run_python
 
 
 def install_metadata(site: Path, name: str, version: str = "0.6.0") -> None:
@@ -33,18 +31,9 @@ def install_metadata(site: Path, name: str, version: str = "0.6.0") -> None:
 
 
 def run(site: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARDRAILS_")}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
-    return subprocess.run(
-        [sys.executable, *argv],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return run_python(*argv, env=env)
 
 
 @pytest.mark.parametrize("other", ["guardrails-ai", "guardrails-fork"])
