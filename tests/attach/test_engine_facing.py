@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import itertools
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +20,7 @@ from guardrails.flags import RowFlag
 from guardrails.names import KNOWN_HOOKS
 from guardrails.service import Guardrails
 from guardrails.testing import SilentLogger, fresh_guardrails
+from tests.attach.modules import module_on_path
 
 ENGINE = '''
 import torch
@@ -45,17 +44,13 @@ def ids_for(ids, vocab_size):
     return ids
 '''
 
-_names = itertools.count()
 TORCH = importlib.metadata.version("torch")
 
 
 @pytest.fixture
 def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    name = f"facing_engine_{next(_names)}"
-    (tmp_path / f"{name}.py").write_text(ENGINE, encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield importlib.import_module(name)
-    sys.modules.pop(name, None)
+    with module_on_path(ENGINE, "facing_engine", tmp_path, monkeypatch) as name:
+        yield importlib.import_module(name)
 
 
 def configured(engine: ModuleType, attach: list[dict[str, Any]], **settings: Any) -> Guardrails:

@@ -12,9 +12,7 @@ imported; the launcher tests start a real `guardrails run` process.
 from __future__ import annotations
 
 import importlib
-import itertools
 import math
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +26,7 @@ from structlog.testing import capture_logs
 from guardrails.names import GUARD_ERROR_EVENT
 from guardrails.reporting.metrics import GUARD_ERROR_REASONS
 from guardrails.testing import fresh_guardrails
+from tests.attach.modules import module_on_path
 from tests.attach.test_launcher import PY, launch
 
 ENGINE = """
@@ -49,16 +48,12 @@ def pick(logits, vocab_size):
 """
 
 SITE = "sampler.logits"
-_names = itertools.count()
 
 
 @pytest.fixture
 def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    name = f"guard_error_engine_{next(_names)}"
-    (tmp_path / f"{name}.py").write_text(ENGINE, encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield importlib.import_module(name)
-    sys.modules.pop(name, None)
+    with module_on_path(ENGINE, "guard_error_engine", tmp_path, monkeypatch) as name:
+        yield importlib.import_module(name)
 
 
 def _errors(registry: CollectorRegistry, reason: str, site: str = SITE) -> float | None:

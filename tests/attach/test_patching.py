@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import itertools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from guardrails.attach.points import AttachError
 from guardrails.service import Guardrails
 from guardrails.testing import fresh_guardrails
+from tests.attach.modules import module_on_path
 
 ENGINE = '''
 import torch
@@ -64,18 +64,12 @@ def sample(logits, vocab_size, *rest):
 TABLE = {"not": "callable"}
 '''
 
-_names = itertools.count()
-
 
 @pytest.fixture
 def engine_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A fresh, not yet imported module on sys.path (a new name per test: import hooks and
-    sys.modules entries never leak between tests)."""
-    name = f"fake_engine_{next(_names)}"
-    (tmp_path / f"{name}.py").write_text(ENGINE, encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield name
-    sys.modules.pop(name, None)
+    """A fresh, not yet imported module on sys.path."""
+    with module_on_path(ENGINE, "fake_engine", tmp_path, monkeypatch) as name:
+        yield name
 
 
 @pytest.fixture
