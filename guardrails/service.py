@@ -15,6 +15,7 @@ whichever comes first) its reporter flushes exact totals. Only the reporter is k
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -247,20 +248,18 @@ class Guardrails:
         `on_error`. Default: with `strict_attach` it is raised (from the import that loads
         the module, for a pending point); otherwise it is counted in
         `guardrails_attach_errors_total` and logged, and every other point still applies."""
-        if on_error is None and not self.settings.strict_attach:
-            on_error = self._attach_failed
         handles = []
         for index, entry in enumerate(self.settings.attach):
             origin = self.settings.origin("attach", index, "target")
             point = AttachPoint.from_settings(entry, origin)
-            handles.append(self._patch(point, on_error=on_error))
+            failed = on_error
+            if failed is None and not self.settings.strict_attach:
+                failed = functools.partial(self._attach_failed, point)
+            handles.append(self._patch(point, on_error=failed))
         return handles
 
-    def _attach_failed(self, error: AttachError) -> None:
-        point = next((h.point for h in self.patches() if h.error is error), None)
-        site = point.site if point is not None else "unknown"
-        target = str(point.target) if point is not None else "unknown"
-        self._attach_errors.record(site=site, target=target, error=error)
+    def _attach_failed(self, point: AttachPoint, error: AttachError) -> None:
+        self._attach_errors.record(site=point.site, target=str(point.target), error=error)
 
     def install_hooks(self, *, on_error: Callable[[Exception], None] | None = None) -> list[Any]:
         """Install the engine hooks named by the `hooks` setting (what `guardrails run` does

@@ -510,6 +510,7 @@ class LogitsSite(_SiteBase):
             else:
                 flags = self._guard(logits, rows, spec, state, buffers)
             calls = self._calls = self._calls + 1
+            buffers.recent, buffers.recent_call = flags, calls  # what `recent()` reads
         if calls % self._every == 0 or calls == 1:
             # Outside the site lock: a tick may log and write metrics (host code).
             self._report(logits, state, due=calls % self._every == 0)
@@ -561,8 +562,6 @@ class LogitsSite(_SiteBase):
             kernel(logits, flags, state.counts.counts, spec, buffers.workspace)
         if self._assert_msg is not None:
             torch._assert_async(flags.bitwise_and(_ASSERTED).eq(0).all(), self._assert_msg)
-        buffers.recent = flags
-        buffers.recent_call = self._calls + 1
         return flags
 
     def _type_error(self, logits: object) -> TensorTypeError:
@@ -660,6 +659,7 @@ class TokenSite(_SiteBase):
             else:
                 flags = self._guard(token_ids, rows, state, buffers, vocab)
             calls = self._calls = self._calls + 1
+            buffers.recent, buffers.recent_call = flags, calls  # what `recent()` reads
         if calls % self._every == 0 or calls == 1:
             # Outside the site lock: a tick may log and write metrics (host code).
             self._report(token_ids, state, due=calls % self._every == 0)
@@ -728,8 +728,6 @@ class TokenSite(_SiteBase):
             flags.zero_()
         if self._assert_msg is not None:
             torch._assert_async(flags.eq(0).all(), self._assert_msg)
-        buffers.recent = flags
-        buffers.recent_call = self._calls + 1
         return flags
 
     def _end_rows_with_eos(self, ids: torch.Tensor, rows: int, flags: torch.Tensor) -> None:

@@ -110,10 +110,10 @@ class _SamplerHalf:
 
     def __call__(self, wrapped: Any, sampler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         site = None
-        before = -1
+        before = None
         try:
             site = self._guards.site(SITE)
-            before = site.calls
+            before = site.recent()
         except Exception as exc:
             self._failed(exc)
         result = wrapped(*args, **kwargs)
@@ -125,12 +125,11 @@ class _SamplerHalf:
             self._failed(exc)
         return result
 
-    def _keep(self, site: Any, before: int, args: tuple[Any, ...], kwargs: Any) -> None:
-        if site.calls == before:
+    def _keep(self, site: Any, before: Any, args: tuple[Any, ...], kwargs: Any) -> None:
+        found = site.recent()  # this thread's latest call: its number tells a new one
+        if found is None or (before is not None and found[0] == before[0]):
             return  # the guard did not run in this call (a disabled point, an error)
-        flags = site.recent_flags()
-        if flags is None:
-            return
+        flags = found[1]
         logits_output = args[0] if args else kwargs["logits_output"]
         # A new tensor, enqueued now: with overlap scheduling the next step's sampler
         # rewrites the flags buffer before this step's result is processed.

@@ -86,13 +86,10 @@ class _RunnerHalf:
         site = self._guards.site(SITE)
         mask = self._guards.settings.site_settings(SITE).abort_flags
         local = self._local
-        calls = site.calls
-        if not site.enabled or not mask or calls == getattr(local, "seen", -1):
+        found = site.recent() if site.enabled and mask else None
+        if found is None or found[0] == getattr(local, "seen", -1):
             return None, None  # no sampler call since the last step (pooling, a dummy run)
-        local.seen = calls
-        flags = site.recent_flags()
-        if flags is None:
-            return None, None
+        local.seen, flags = found
         # A new tensor, enqueued now: the flags buffer is rewritten by the next step's sampler
         # (async scheduling runs it before this step's output is read).
         marks = flags.bitwise_and(mask).ne(0)
