@@ -159,22 +159,25 @@ def guard_metrics(
     constant = dict(constant or {})
     names = tuple(sorted(constant))
     with _LOCK:
-        found: dict[str, Counter] | None = getattr(target, _FAMILIES_ATTR, None)
+        # (constant label names, counters by attribute): the names they were made with.
+        found: tuple[tuple[str, ...], dict[str, Counter]] | None = getattr(
+            target, _FAMILIES_ATTR, None
+        )
         if found is None:
-            found = {
+            counters = {
                 attr: _counter(target, name, text, (*labels, *names))
                 for attr, name, text, labels in _FAMILIES
             }
+            found = (names, counters)
             setattr(target, _FAMILIES_ATTR, found)
-        else:
-            made = tuple(found["guard_calls"]._labelnames[2:])
-            if made != names:
-                raise ValueError(
-                    f"guardrails' metrics in this registry carry the constant labels "
-                    f"{list(made)}; this instance asks for {list(names)}: every instance "
-                    "sharing a registry needs the same [metrics.labels] names"
-                )
-        return GuardMetrics(**{attr: Family(found[attr], constant) for attr in found})
+        made, counters = found
+        if made != names:
+            raise ValueError(
+                f"guardrails' metrics in this registry carry the constant labels "
+                f"{list(made)}; this instance asks for {list(names)}: every instance "
+                "sharing a registry needs the same [metrics.labels] names"
+            )
+        return GuardMetrics(**{attr: Family(counters[attr], constant) for attr in counters})
 
 
 def _counter(registry: CollectorRegistry, name: str, text: str, labels: tuple[str, ...]) -> Counter:
