@@ -3,13 +3,18 @@
 A site is built once from settings and bakes them in: an enabled logits site holds one
 `HealSpec` per accepted dtype and the kernel for each device; a disabled site is a different
 class whose call returns None without looking at its argument. Per device, a site owns
-persistent buffers (int64 counts, host mirror; per calling thread, row flags and the kernel
-workspace that goes with them) made when the site first sees that device or thread or when
-`reserve()` is called, never inside a CUDA-graph capture.
+persistent buffers (int64 counts, host mirror; per calling thread, and on CUDA per thread and
+stream, row flags and the kernel workspace that goes with them) made when the site first sees
+that device, thread or stream or when `reserve()` is called, never inside a CUDA-graph capture.
 
-The flags a call returns belong to the calling thread: a view of that thread's buffer, valid
-until the same thread's next call of that site on the same device (like a CUDA graph's static
-output), whatever other threads do meanwhile; clone them to keep them longer.
+The flags a call returns belong to the calling thread (on CUDA: to the thread and its current
+stream): a view of that buffer, valid until the same thread's next call of that site on the
+same device (and stream), like a CUDA graph's static output, whatever other threads and
+streams do meanwhile; clone them to keep them longer. Per stream on CUDA because two streams
+running the guard at once must not share the Triton kernel's per-row words. A capture on a
+stream the thread has not called on yet (`torch.cuda.graph` captures on a side stream) takes a
+spare made by `reserve()`, else shares the thread's buffers of the stream it called on last:
+nothing is allocated inside a capture.
 
 Refused before anything is touched or any state is made: a dtype the site does not accept
 (TypeError), a tensor that is sparse or nested (TypeError), on the meta device or not on the
@@ -49,6 +54,8 @@ __all__ = ["DisabledSite", "LogitsSite", "Site", "TokenSite"]
 # guardrails.ops); bound once, as the eager hot path calls it on every call.
 _compiling: Final = torch.compiler.is_compiling
 _get_ident: Final = threading.get_ident
+# Who owns a set of buffers: a thread id, or on CUDA (thread id, stream id).
+_Key = int | tuple[int, int]
 _STRIDED: Final = torch.strided
 _TENSOR: Final = torch.Tensor
 _DEFAULT_CAPACITY: Final = 256
@@ -117,6 +124,7 @@ class _DeviceState:
         "owner",
         "retired",
         "spare",
+        "streams",
     )
 
     def __init__(
@@ -129,48 +137,73 @@ class _DeviceState:
         # Buffers replaced by a growth, kept on CUDA: a graph captured before the growth
         # still writes into them on every replay (their rows were reserved for it).
         self.retired: list[tuple[torch.Tensor, Any]] | None = [] if device.type == "cuda" else None
-        self.buffers: dict[int, _Buffers] = {}  # by thread id
+        self.buffers: dict[_Key, _Buffers] = {}  # by `key()`
+        # On CUDA, buffers are per (thread, stream): see the module docstring.
+        self.streams = device.type == "cuda"
         # Made ahead (by `reserve`) for the next thread that calls: a thread whose first call
         # is a CUDA-graph capture must not allocate. Also where the buffers of threads that
         # have ended go (`_reclaim`): kept, since a graph such a thread captured still writes
         # them on every replay, and reused by later threads rather than grown without bound
         # (such a graph's flags are then shared with the thread that reuses them).
         self.spare = [_Buffers(device, capacity, kernel)]
-        self.owner: int | None = None  # no thread yet: `last` is not used before it is set
+        self.owner: _Key | None = None  # none yet: `last` is not used before it is set
         self.last = self.spare[0]
 
-    def buffers_for(self, ident: int, site: str) -> _Buffers:
-        """The calling thread's buffers (made or taken from the spares on its first call)."""
-        buffers = self.buffers.get(ident)
+    def key(self) -> _Key:
+        """Whose buffers a call from here uses: the thread's, on CUDA the thread's on its
+        current stream of this device."""
+        ident = _get_ident()
+        if self.streams:
+            return ident, _cuda_stream_id(self.device.index)
+        return ident
+
+    def buffers_for(self, key: _Key, site: str) -> _Buffers:
+        """The caller's buffers (made or taken from the spares on its first call)."""
+        buffers = self.buffers.get(key)
         if buffers is None:
-            buffers = self.buffers[ident] = self._new_buffers(site)
+            buffers = self.buffers[key] = self._new_buffers(key, site)
         self.last = buffers
-        self.owner = ident
+        self.owner = key
         return buffers
 
-    def _new_buffers(self, site: str) -> _Buffers:
+    def _new_buffers(self, key: _Key, site: str) -> _Buffers:
         if not self.spare and len(self.buffers) >= _RECLAIM_AT:
             self._reclaim()
-        if self.spare:
+        capturing = self.capturing()
+        if self.spare and (not capturing or self.spare[-1].capacity >= self.capacity):
             buffers = self.spare.pop()
             if buffers.capacity < self.capacity:
-                self._capture_check(site, self.capacity)
                 buffers._allocate(self.device, self.capacity, self.kernel, self.retired)
             return buffers
-        self._capture_check(site, self.capacity)
+        if capturing:
+            # A capture on a stream this thread has not called on: its buffers of another
+            # stream, which the graph's replays then share with that stream's calls.
+            thread = _thread_of(key)
+            if self.owner is not None and _thread_of(self.owner) == thread:
+                return self.last
+            for other, buffers in self.buffers.items():
+                if _thread_of(other) == thread:
+                    return buffers
+            self._capture_check(site, self.capacity)
         return _Buffers(self.device, self.capacity, self.kernel)
 
     def _reclaim(self) -> None:
         # Thread ids of ended threads: ids of live threads that run Python (all that can
         # call a site) are the keys of sys._current_frames().
         alive = sys._current_frames().keys()
-        for ident in [ident for ident in self.buffers if ident not in alive]:
-            self.spare.append(self.buffers.pop(ident))
+        for key in [key for key in self.buffers if _thread_of(key) not in alive]:
+            buffers = self.buffers.pop(key)
+            if all(b is not buffers for b in self.spare):  # shared by a capture: once
+                self.spare.append(buffers)
         if self.owner not in self.buffers:
             self.owner = None
 
+    def capturing(self) -> bool:
+        """Whether the caller's current stream is capturing a CUDA graph."""
+        return self.streams and torch.cuda.is_current_stream_capturing()
+
     def _capture_check(self, site: str, rows: int) -> None:
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self.capturing():
             # Its allocations and zero-fills would be recorded into the graph.
             raise RuntimeError(
                 f"guardrails site {site!r} needs buffers for {rows} rows on {self.device} "
@@ -180,7 +213,7 @@ class _DeviceState:
 
     def flags_view(self, buffers: _Buffers, rows: int, site: str) -> torch.Tensor:
         if rows > buffers.capacity:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if self.capturing():
                 raise RuntimeError(
                     f"guardrails site {site!r}: {rows} rows exceed the {buffers.capacity} "
                     f"reserved on {self.device} during CUDA-graph capture; call "
@@ -195,14 +228,15 @@ class _DeviceState:
         buffers.views[rows] = view
         return view
 
-    def reserve(self, rows: int, ident: int) -> None:
-        """Every thread's buffers hold `rows` rows from now on; a thread that has none yet
-        (`ident`'s, or the next to call) finds a spare made for it."""
-        for buffers in [*self.buffers.values(), *self.spare]:
+    def reserve(self, rows: int, key: _Key) -> None:
+        """Every thread's buffers hold `rows` rows from now on; a caller that has none yet
+        (`key`'s, or the next to call; on CUDA also a first call on another stream, such as
+        a capture's side stream) finds a spare made for it."""
+        for buffers in {id(b): b for b in [*self.buffers.values(), *self.spare]}.values():
             if buffers.capacity < rows:
                 buffers._allocate(self.device, rows, self.kernel, self.retired)
         self.capacity = max(self.capacity, rows)
-        if ident not in self.buffers and not self.spare:
+        if (self.streams or key not in self.buffers) and not self.spare:
             self.spare.append(_Buffers(self.device, self.capacity, self.kernel))
 
 
@@ -248,7 +282,9 @@ class _SiteBase:
         """Allocate buffers for up to `rows` rows on `device` now (before a graph capture).
 
         Every thread that has called the site on `device` gets room for `rows` rows, and the
-        calling thread, if it has not called yet, a buffer of its own for its first call."""
+        calling thread, if it has not called yet, a buffer of its own for its first call; on
+        CUDA there is also one ready for a first call on another stream (the side stream
+        `torch.cuda.graph` captures on)."""
         device = _normalise(torch.device(device))
         if device.type == "meta":
             raise TensorValueError(
@@ -273,7 +309,7 @@ class _SiteBase:
                 if self._reporter is not None:
                     self._reporter.track(self, state.counts)
             else:
-                state.reserve(rows, _get_ident())
+                state.reserve(rows, state.key())
             self._state = state
 
     def recent(self, device: torch.device | str | None = None) -> tuple[int, torch.Tensor] | None:
@@ -289,7 +325,7 @@ class _SiteBase:
         )
         if state is None:
             return None
-        buffers = state.buffers.get(_get_ident())
+        buffers = state.buffers.get(state.key())
         if buffers is None or buffers.recent is None:
             return None
         return buffers.recent_call, buffers.recent
@@ -350,7 +386,7 @@ class _SiteBase:
         self.last_shape = tuple(tensor.shape)
         if not due or self._reporter is None:
             return
-        if state.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if state.capturing():
             # Inside a CUDA-graph capture a copy would be recorded into the graph and an event
             # query may invalidate the capture: the next tick outside it reports instead.
             return
@@ -383,6 +419,19 @@ class _SiteBase:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} calls={self._calls}>"
+
+
+def _cuda_stream_id(index: int | None) -> int:
+    """The id of the calling thread's current stream on CUDA device `index`."""
+    # torch.cuda.current_stream() without building a Stream object (the same getter).
+    getter = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if getter is None:  # pragma: no cover - every CUDA build has it
+        return int(torch.cuda.current_stream(index).stream_id)
+    return int(getter(index)[0])
+
+
+def _thread_of(key: _Key) -> int:
+    return key[0] if isinstance(key, tuple) else key
 
 
 def _normalise(device: torch.device) -> torch.device:
@@ -502,8 +551,8 @@ class LogitsSite(_SiteBase):
         if state is None or logits.device != state.device:
             state = self._state_for(logits)
         with self._lock:
-            ident = _get_ident()
-            buffers = state.last if state.owner == ident else state.buffers_for(ident, self.name)
+            key = _get_ident() if not state.streams else state.key()
+            buffers = state.last if state.owner == key else state.buffers_for(key, self.name)
             if logits.requires_grad or logits.is_inference():
                 with _writable(logits):
                     flags = self._guard(logits, rows, spec, state, buffers)
@@ -651,8 +700,8 @@ class TokenSite(_SiteBase):
         if state is None or token_ids.device != state.device:
             state = self._state_for(token_ids)
         with self._lock:
-            ident = _get_ident()
-            buffers = state.last if state.owner == ident else state.buffers_for(ident, self.name)
+            key = _get_ident() if not state.streams else state.key()
+            buffers = state.last if state.owner == key else state.buffers_for(key, self.name)
             if token_ids.is_inference():
                 with _writable(token_ids):
                     flags = self._guard(token_ids, rows, state, buffers, vocab)

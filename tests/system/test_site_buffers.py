@@ -1,6 +1,7 @@
-"""A site's per-device buffers: growth that fails leaves the site intact, and CUDA graphs
-captured against the buffers stay valid (growth after a capture, first use inside one,
-replay-only sites reporting, side streams, another device). The CUDA tests skip without a GPU.
+"""A site's per-device buffers: growth that fails leaves the site intact, per-stream buffers on
+CUDA (their bookkeeping simulated on the CPU, then two real streams), and CUDA graphs captured
+against the buffers stay valid (growth after a capture, first use inside one, replay-only
+sites reporting, side streams, another device). The CUDA tests skip without a GPU.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import math
 import pytest
 import torch
 
-from guardrails import RowFlag
+from guardrails import RowFlag, sites
 from guardrails.testing import fresh_guardrails
 
 SITE = "sampler.logits"
@@ -40,6 +41,105 @@ def test_a_dirty_call_after_a_failed_growth_is_healed_and_counted() -> None:
     assert int(flags[299]) == int(RowFlag.NAN)
     assert x[299, 3] == -math.inf
     assert guards.count(SITE, "nan") == 1
+
+
+class _Streams:
+    """A CPU site's state made to key its buffers by (thread, stream) as CUDA states do, with
+    the current stream and "is capturing" set by the test."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, site: sites.LogitsSite) -> None:
+        self.stream = 1
+        self.capturing = False
+        state = site._state
+        assert state is not None
+        state.streams = True
+        monkeypatch.setattr(sites, "_cuda_stream_id", lambda index: self.stream)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+
+
+def test_each_stream_of_a_thread_gets_its_own_flags_and_kernel_workspace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    guards = fresh_guardrails()
+    site = guards.site(SITE, device="cpu", capacity=8)
+    streams = _Streams(monkeypatch, site)
+    dirty = torch.randn(4, 32)
+    dirty[2, 5] = math.nan
+    flags_1 = site(dirty)
+    streams.stream = 2
+    flags_2 = site(torch.randn(4, 32))
+    assert flags_1.data_ptr() != flags_2.data_ptr()
+    # Stream 2's clean call left stream 1's flags alone (they are that stream's output).
+    assert flags_1.tolist() == [0, 0, int(RowFlag.NAN), 0]
+    assert flags_2.tolist() == [0, 0, 0, 0]
+    state = site._state
+    assert state is not None
+    workspaces = {id(b.workspace) for b in state.buffers.values()}
+    assert len(state.buffers) == len(workspaces) == 2
+    # recent() is the current stream's latest call.
+    found = site.recent()
+    assert found is not None
+    assert found[1].data_ptr() == flags_2.data_ptr()
+    streams.stream = 1
+    found = site.recent()
+    assert found is not None
+    assert found[1].data_ptr() == flags_1.data_ptr()
+
+
+def test_a_capture_on_a_new_stream_takes_a_reserved_spare_else_shares_the_threads_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    guards = fresh_guardrails()
+    site = guards.site(SITE, device="cpu", capacity=8)
+    streams = _Streams(monkeypatch, site)
+    eager = site(torch.randn(4, 32))  # takes the spare made with the state
+    state = site._state
+    assert state is not None
+    assert not state.spare
+    # torch.cuda.graph captures on a side stream: nothing may be allocated there.
+    streams.stream, streams.capturing = 2, True
+    captured = site(torch.randn(4, 32))
+    assert captured.data_ptr() == eager.data_ptr()
+    assert len(state.buffers) == 2
+    assert not state.spare
+    # After reserve() in the capturing thread, a capture on a third stream gets its own.
+    streams.stream, streams.capturing = 1, False
+    site.reserve(8, "cpu")
+    assert len(state.spare) == 1
+    streams.stream, streams.capturing = 3, True
+    own = site(torch.randn(4, 32))
+    assert own.data_ptr() not in (eager.data_ptr(), captured.data_ptr())
+    # Growth inside a capture is refused, as on one stream.
+    with pytest.raises(RuntimeError, match="reserve"):
+        site(torch.randn(9, 32))
+
+
+def test_buffers_a_capture_shared_are_reclaimed_once_when_their_thread_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    guards = fresh_guardrails()
+    site = guards.site(SITE, device="cpu", capacity=4)
+    streams = _Streams(monkeypatch, site)
+    site(torch.randn(2, 16))
+
+    def worker() -> None:
+        streams.stream, streams.capturing = 5, False
+        site(torch.randn(2, 16))
+        streams.stream, streams.capturing = 6, True
+        site(torch.randn(2, 16))  # shares stream 5's buffers
+        streams.stream, streams.capturing = 1, False
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    state = site._state
+    assert state is not None
+    assert len(state.buffers) == 3  # main, and the worker's two keys on one set of buffers
+    state._reclaim()
+    assert len(state.buffers) == 1
+    assert len(state.spare) == 1, "the shared buffers are one spare, not two"
 
 
 needs_cuda = pytest.mark.cuda
@@ -138,3 +238,67 @@ def test_a_tensor_on_another_device_is_guarded_on_its_own_device() -> None:
     assert flags.device == x.device
     assert flags.tolist() == [0, 0, int(RowFlag.POSINF)]
     assert math.isfinite(float(x[2, 5]))
+
+
+@needs_cuda
+def test_two_streams_of_one_thread_guard_at_once_without_mixing_row_words() -> None:
+    _triton()
+    from guardrails.kernels import triton_impl
+
+    kernel = triton_impl.build(block=1024, iters=1)  # every row split across programs
+    guards = fresh_guardrails(reporting={"every_calls": 1_000_000})
+    site = guards.site(SITE, device="cuda", capacity=64)
+    state = site._state
+    assert state is not None
+    site._kernels[state.device] = state.kernel = kernel
+    site.reserve(64, "cuda")  # a fresh workspace for the Triton kernel
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    inputs = []
+    for s in range(2):
+        x = torch.randn(64, 1 << 15, device="cuda")
+        x[s::4, 7] = math.nan
+        inputs.append(x)
+    torch.cuda.synchronize()
+    results: list[list[torch.Tensor]] = [[], []]
+    for _ in range(50):
+        for s, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                y = inputs[s].clone()
+                results[s].append(site(y).clone())
+    torch.cuda.synchronize()
+    for s in range(2):
+        expected = [int(RowFlag.NAN) if r % 4 == s else 0 for r in range(64)]
+        assert all(flags.tolist() == expected for flags in results[s])
+    assert guards.count(SITE, "nan") == 2 * 50 * 16
+    words = [b.workspace.rowstate for b in state.buffers.values()]
+    assert len({w.data_ptr() for w in words}) >= 2
+    assert not any(w.any() for w in words), "a row word left non-zero never finishes again"
+
+
+@needs_cuda
+def test_a_capture_at_a_batch_size_never_run_eagerly_replays_exactly() -> None:
+    # Warmed at one row (split rows); captured at 600 rows, which a 151936 vocabulary runs as
+    # whole rows on an H100/H200: a Triton variant not compiled yet, never compiled inside
+    # the capture (the reference guards that graph instead).
+    _triton()
+    guards = fresh_guardrails(reporting={"every_calls": 1_000_000})
+    site = guards.site(SITE, device="cuda", capacity=600)
+    site(torch.randn(1, 151936, device="cuda"))
+    static = torch.randn(600, 151936, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flags = site(static)
+    for i in range(3):
+        static.copy_(torch.randn(600, 151936, device="cuda"))
+        static[100 * i, 5] = math.nan
+        static[100 * i + 1] = math.nan
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = [0] * 600
+        expected[100 * i] = int(RowFlag.NAN)
+        expected[100 * i + 1] = int(RowFlag.NAN | RowFlag.NO_VALID_TOKEN)
+        assert flags.tolist() == expected
+        assert static[100 * i, 5] == -math.inf
+        assert not static[100 * i + 1].any()
+    assert guards.count(SITE, "nan") == 3 * (1 + 151936)
