@@ -4,13 +4,68 @@ A site accumulates its counts into an int64 buffer on the tensor's device. `requ
 a non-blocking copy of that buffer into host memory (pinned on CUDA, so the copy is truly
 asynchronous) and records an event; `latest()` returns the newest completed copy and never
 waits. On the CPU the buffer is host memory already and is read directly.
+
+The CUDA calls here (copy, event record, event query) run with the calling thread's stream
+capture mode set to thread-local (`outside_captures`): while another thread captures a CUDA
+graph in the default global mode, an event query from this thread would otherwise be refused
+and invalidate that capture (a host's metrics thread polling while the engine captures).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import threading
+from collections.abc import Callable, Iterator
+
 import torch
 
-__all__ = ["DeviceCounts"]
+__all__ = ["DeviceCounts", "outside_captures"]
+
+_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+_exchange: Callable[[ctypes.c_int], int] | None = None
+_exchange_loaded = False
+_exchange_lock = threading.Lock()
+
+
+def _capture_mode_exchange() -> Callable[[ctypes.c_int], int] | None:
+    """`cuThreadExchangeStreamCaptureMode` from the CUDA driver, or None without one."""
+    global _exchange, _exchange_loaded
+    if _exchange_loaded:
+        return _exchange
+    with _exchange_lock:
+        if not _exchange_loaded:
+            try:
+                # The driver torch has loaded already (a CUDA tensor exists when this runs).
+                function = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
+            except (OSError, AttributeError):
+                _exchange = None
+            else:
+                function.argtypes = [ctypes.POINTER(ctypes.c_int)]
+                function.restype = ctypes.c_int
+
+                def exchange(mode: ctypes.c_int) -> int:
+                    return int(function(ctypes.byref(mode)))
+
+                _exchange = exchange
+            _exchange_loaded = True
+    return _exchange
+
+
+@contextlib.contextmanager
+def outside_captures() -> Iterator[None]:
+    """Run CUDA calls that must not disturb other threads' graph captures: the calling
+    thread's capture mode is thread-local inside, and restored after. A no-op without the
+    CUDA driver."""
+    exchange = _capture_mode_exchange()
+    mode = ctypes.c_int(_THREAD_LOCAL)
+    if exchange is None or exchange(mode) != 0:
+        yield
+        return
+    try:
+        yield
+    finally:
+        exchange(mode)  # `mode` now holds the previous one
 
 
 class DeviceCounts:
@@ -46,7 +101,7 @@ class DeviceCounts:
         if torch.cuda.is_current_stream_capturing():
             return  # a copy recorded into a graph would replay forever; count on replay only
         # On the counts' device, whichever device is current in the calling thread.
-        with torch.cuda.device(self.device):
+        with outside_captures(), torch.cuda.device(self.device):
             self._mirror.copy_(self.counts, non_blocking=True)
             self._event.record()
         self._pending = True
@@ -55,9 +110,12 @@ class DeviceCounts:
         """The newest host copy; never waits for the device."""
         if self._event is None:
             return [int(v) for v in self.counts.tolist()]
-        if self._pending and self._event.query():  # type: ignore[no-untyped-call]
-            self._pending = False
-            self._last = [int(v) for v in self._mirror.tolist()]
+        if self._pending:
+            with outside_captures():
+                done = self._event.query()  # type: ignore[no-untyped-call]
+            if done:
+                self._pending = False
+                self._last = [int(v) for v in self._mirror.tolist()]
         return self._last
 
     def exact(self) -> list[int]:

@@ -82,3 +82,53 @@ def test_close_reports_exact_totals_from_the_device() -> None:
         site(logits)
     guards.close()
     assert nan_count(registry) == 6
+
+
+def test_polls_from_another_thread_leave_a_global_mode_capture_intact() -> None:
+    # A host's metrics thread polls while the engine's thread captures a CUDA graph in the
+    # default "global" mode: an event query from the poller would otherwise be refused and
+    # invalidate the capture.
+    import threading
+
+    pytest.importorskip("triton")
+    registry = CollectorRegistry()
+    guards = fresh_guardrails(registry=registry, reporting={"every_calls": 1_000_000})
+    site = guards.site(LOGITS, device="cuda", capacity=4)
+    other = guards.site("draft.logits", device="cuda", capacity=4)
+    static = torch.randn(4, 2048, device="cuda")
+    site(static.clone())
+    other(torch.randn(4, 2048, device="cuda"))
+    guards.poll()  # a copy is in flight: the poller's next poll queries its event
+    torch.cuda.synchronize()
+    inside, polled = threading.Event(), threading.Event()
+    failures: list[BaseException] = []
+
+    def poller() -> None:
+        try:
+            inside.wait(10)
+            for _ in range(5):
+                guards.poll()
+        except BaseException as exc:  # reported below, not lost in the thread
+            failures.append(exc)
+        finally:
+            polled.set()
+
+    thread = threading.Thread(target=poller)
+    thread.start()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="global"):
+        site(static)
+        inside.set()
+        assert polled.wait(10)
+    thread.join()
+    assert not failures
+    errors = registry.get_sample_value(
+        "guardrails_reporting_errors_total", {"stage": "poll", "rank": "0"}
+    )
+    assert not errors
+    static[1, :2] = math.nan
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    guards.close()
+    assert nan_count(registry) == 6
