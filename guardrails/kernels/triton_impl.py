@@ -8,12 +8,20 @@ Per call the host only picks a cached launch plan by `(rows, vocab, dtype)` and 
 no allocation, no host sync, nothing that depends on the data, so a call can be captured in
 a CUDA graph. The per-row scratch the split rows need is made by `workspace()`, which the
 site calls when it sizes its buffers.
+
+Triton compiles one binary per variant (dtype, block, warps, split or whole rows, site mode,
+and the 16-byte alignment / value-1 specialisations of the pointers and integers it is
+given). Compiling and loading one inside a CUDA-graph capture is not safe, so a call being
+captured whose variant has not been launched on that device yet is guarded by the torch
+reference instead (branch-free, capture-safe, exact; slower): capture after one eager call
+at each batch size to keep the kernel in the graph.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -79,6 +87,7 @@ class TritonLogitsKernel:
         programs_per_sm: int = _PROGRAMS_PER_SM,
         max_splits: int,
         max_iters: int,
+        capturing: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         if block <= 0 or block & (block - 1):
             raise ValueError(f"block must be a power of two, got {block}")
@@ -91,6 +100,10 @@ class TritonLogitsKernel:
         self._max_splits = max_splits
         self._max_iters = max_iters
         self._values: dict[tuple[HealSpec, torch.dtype], tuple[float, float]] = {}
+        # Whether a call is being captured into a CUDA graph (tests replace it), and the
+        # variants launched so far, by device (see the module docstring).
+        self._capturing = _capturing if capturing is None else capturing
+        self._launched: set[tuple[Any, ...]] = set()
 
     def workspace(self, rows: int, device: torch.device) -> TritonWorkspace:
         if device.type == "cuda":
@@ -166,6 +179,24 @@ class TritonLogitsKernel:
                 f"the Triton workspace holds {ws.rowstate.numel()} rows, got {rows}; "
                 "size it with workspace(rows, device)"
             )
+        variant = (
+            x.device,
+            x.dtype,
+            plan.block,
+            plan.num_warps,
+            plan.splits > 1,
+            spec.sanitize,
+            spec.count_neginf,
+            x.data_ptr() % 16 == 0,
+            _specialised(vocab),
+            _specialised(stride_row),
+            _specialised(stride_col),
+            _specialised(plan.chunk),
+        )
+        if variant not in self._launched and self._capturing(x):
+            # Not compiled and loaded inside a capture: the capture-safe reference.
+            guard_logits_reference_(x, flags, counts, spec)
+            return
         nan_value, posinf_value = self._replacements(spec, x.dtype)
         launch = self._jit[(rows, plan.splits)]
         args = (x, flags, counts, ws.rowstate, vocab, stride_row, stride_col, plan.chunk)
@@ -179,10 +210,20 @@ class TritonLogitsKernel:
         # (CPU tensors: the tests' TRITON_INTERPRET=1 runs.)
         if not x.is_cuda or x.device.index == torch.cuda.current_device():
             launch(*args, nan_value, posinf_value, **options)
-            return
-        # Triton launches on the current device's stream: the tensor's device must be it.
-        with torch.cuda.device(x.device):
-            launch(*args, nan_value, posinf_value, **options)
+        else:
+            # Triton launches on the current device's stream: the tensor's device must be it.
+            with torch.cuda.device(x.device):
+                launch(*args, nan_value, posinf_value, **options)
+        self._launched.add(variant)  # compiled and loaded now
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _specialised(value: int) -> int:
+    """How Triton specialises an integer argument: equal to 1, a multiple of 16, 64-bit."""
+    return (value == 1) | (value % 16 == 0) << 1 | (value > _INT32_MAX) << 2
 
 
 def build(device_code: ModuleType | None = None, **options: Any) -> TritonLogitsKernel:

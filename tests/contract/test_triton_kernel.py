@@ -206,3 +206,42 @@ def test_detect_only_reads_memory_that_overlaps_itself_as_the_oracle_says(
     kernel = kernels[cut]
     mode = Mode(False, count_neginf=True)
     _assert_as_the_oracle_says(kernel, x, mode, kernel.workspace(3, x.device), view)
+
+
+def test_a_variant_first_met_inside_a_capture_is_guarded_by_the_reference(
+    triton_device_code: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Compiling and loading a Triton binary inside a CUDA-graph capture is not safe: until a
+    # variant has been launched once outside a capture, captured calls take the reference.
+    # ("Capturing" is simulated for the interpreter's CPU tensors.)
+    capturing = [True]
+    kernel = triton_impl.build(
+        triton_device_code, block=16, iters=1, capturing=lambda x: capturing[0]
+    )
+    reference_calls: list[tuple[int, ...]] = []
+    real_reference = triton_impl.guard_logits_reference_
+
+    def spy(x: torch.Tensor, *args: object) -> None:
+        reference_calls.append(tuple(x.shape))
+        real_reference(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_impl, "guard_logits_reference_", spy)
+    ws = kernel.workspace(16, torch.device("cpu"))
+    mode = Mode()
+
+    def call(x: torch.Tensor) -> None:
+        _assert_as_the_oracle_says(kernel, x, mode, ws, f"{tuple(x.shape)} {x.dtype}")
+
+    dirty = torch.randn(4, 70)
+    dirty[1, 3] = math.nan
+    call(dirty.clone())  # captured, never launched: the reference, and still exact
+    assert reference_calls == [(4, 70)]
+    capturing[0] = False
+    call(dirty.clone())  # eager: launched (compiled) now
+    capturing[0] = True
+    call(dirty.clone())  # the same variant, captured: the kernel
+    call(torch.randn(9, 70))  # another batch size, the same variant: the kernel
+    assert reference_calls == [(4, 70)]
+    call(torch.randn(4, 70).to(torch.bfloat16))  # another dtype: not launched yet
+    call(torch.randn(4, 70)[:, 1:])  # another alignment and vocab: not launched yet
+    assert reference_calls == [(4, 70), (4, 70), (4, 69)]
