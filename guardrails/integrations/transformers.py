@@ -13,6 +13,10 @@ Policy, from `[sites."<site>"] abort_on` in the settings or the `abort_on` argum
   garbage. Counted in `aborted_rows()`; the flags themselves are counted by the site.
 No host sync: the decision is a `torch.where` on the device flags. One processor may serve
 several threads at once: each call acts on its own call's flags (see `guardrails.sites`).
+Under the abort policy the first call per (device, dtype, vocab) and per (device, thread)
+makes the EOS row and a counter; inside a CUDA-graph capture that would be recorded into the
+graph (the counter re-zeroed on every replay), so it is refused there: call the processor
+once before capturing.
 This module imports transformers; `import guardrails` never imports this module.
 """
 
@@ -77,10 +81,12 @@ class GuardLogitsProcessor(LogitsProcessor):
         key = (scores.device, scores.dtype, scores.shape[-1])
         ended = self._ended.get(key)
         if ended is None:
+            self._refuse_inside_capture(scores)
             ended = self._ended[key] = self._end_row(*key)
         where = (scores.device, threading.get_ident())
         counter = self._aborted.get(where)
         if counter is None:
+            self._refuse_inside_capture(scores)
             counter = self._aborted[where] = torch.zeros(
                 (), dtype=torch.int64, device=scores.device
             )
@@ -94,8 +100,18 @@ class GuardLogitsProcessor(LogitsProcessor):
                 f"GuardLogitsProcessor: eos_token_id {outside} outside the vocabulary [0, {vocab})"
             )
         row = torch.full((vocab,), float("-inf"), dtype=dtype, device=device)
-        row[list(self.eos_token_ids)] = 0.0
+        for i in self.eos_token_ids:
+            row.narrow(0, i, 1).fill_(0.0)  # a fill per id: no index tensor to copy over
         return row
+
+    def _refuse_inside_capture(self, scores: torch.Tensor) -> None:
+        if scores.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"GuardLogitsProcessor at site {self.site.name!r}: first call on "
+                f"{scores.device} ({scores.dtype}, vocab {scores.shape[-1]}) inside a "
+                "CUDA-graph capture; call the processor once on this device, in this "
+                "thread, before capturing"
+            )
 
     def aborted_rows(self) -> int:
         """Rows ended with EOS so far (waits for the devices)."""

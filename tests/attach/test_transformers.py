@@ -134,6 +134,46 @@ def test_abort_policy_without_eos_token_id_is_refused() -> None:
         GuardLogitsProcessor(guards)
 
 
+def test_abort_policy_ends_a_row_at_each_of_several_eos_ids() -> None:
+    guards = fresh_guardrails()
+    guard = GuardLogitsProcessor(guards, eos_token_id=[2, 7], abort_on=["nan"])
+    scores = torch.randn(3, 10)
+    scores[1, 4] = float("nan")
+    out = guard(torch.zeros(3, 1, dtype=torch.long), scores)
+    expected = torch.full((10,), float("-inf"))
+    expected[[2, 7]] = 0.0
+    assert torch.equal(out[1], expected)
+    assert torch.equal(out[[0, 2]], scores[[0, 2]])
+    assert guard.aborted_rows() == 1
+
+
+@pytest.mark.cuda
+def test_abort_policy_first_met_inside_a_capture_is_refused_and_replays_after_one_call() -> None:
+    guards = fresh_guardrails(reporting={"every_calls": 1_000_000})
+    guards.site("sampler.logits").reserve(4, "cuda")
+    guard = GuardLogitsProcessor(guards, eos_token_id=3, abort_on=["no_valid_token"])
+    ids = torch.zeros(4, 1, dtype=torch.long, device="cuda")
+    static = torch.randn(4, 512, device="cuda")
+    torch.cuda.synchronize()
+    refused = pytest.raises(RuntimeError, match=r"once .* before capturing")
+    with refused, torch.cuda.graph(torch.cuda.CUDAGraph()):
+        guard(ids, static)
+    guard(ids, static.clone())  # makes the EOS row and this thread's counter
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = guard(ids, static)
+    for _ in range(3):
+        static.copy_(torch.randn(4, 512, device="cuda"))
+        static[2] = float("nan")
+        graph.replay()
+    torch.cuda.synchronize()
+    assert int(out[2].argmax()) == 3
+    assert out[2].isfinite().sum() == 1
+    assert torch.equal(out[[0, 1, 3]], static[[0, 1, 3]])
+    assert guard.aborted_rows() == 3
+
+
 def test_heal_policy_is_the_default() -> None:
     guard = GuardLogitsProcessor(fresh_guardrails())
     assert guard.abort_flags == 0
