@@ -117,6 +117,7 @@ class _DeviceState:
     __slots__ = (
         "buffers",
         "capacity",
+        "check",
         "counts",
         "device",
         "kernel",
@@ -132,6 +133,10 @@ class _DeviceState:
     ) -> None:
         self.device = device
         self.kernel = kernel  # None at token-id sites
+        # The kernel's host-side clean check, where it has one (see LogitsKernel).
+        self.check: Callable[[torch.Tensor, torch.Tensor, Any], bool] | None = getattr(
+            kernel, "check", None
+        )
         self.counts = DeviceCounts(device, slots)
         self.capacity = capacity  # rows every thread's buffers hold at least
         # Buffers replaced by a growth, kept on CUDA: a graph captured before the growth
@@ -553,11 +558,15 @@ class LogitsSite(_SiteBase):
         with self._lock:
             key = _get_ident() if not state.streams else state.key()
             buffers = state.last if state.owner == key else state.buffers_for(key, self.name)
-            if logits.requires_grad or logits.is_inference():
-                with _writable(logits):
+            flags = buffers.views.get(rows)
+            check = state.check
+            # A clean CPU batch is done here: one sum, nothing written.
+            if flags is None or check is None or not check(logits, flags, buffers.workspace):
+                if logits.requires_grad or logits.is_inference():
+                    with _writable(logits):
+                        flags = self._guard(logits, rows, spec, state, buffers)
+                else:
                     flags = self._guard(logits, rows, spec, state, buffers)
-            else:
-                flags = self._guard(logits, rows, spec, state, buffers)
             calls = self._calls = self._calls + 1
             buffers.recent, buffers.recent_call = flags, calls  # what `recent()` reads
         if calls % self._every == 0 or calls == 1:

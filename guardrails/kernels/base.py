@@ -22,7 +22,12 @@ class HealSpec:
 
 
 class LogitsKernel(Protocol):
-    """One detect+count+heal implementation."""
+    """One detect+count+heal implementation.
+
+    A kernel may also have `check(x, flags, ws) -> bool`: a host-side clean check the site
+    runs first on the CPU. True: `x` is proved clean and `flags` are settled, the call is
+    done; False: the call goes on to `__call__` (which may reuse what the check learnt).
+    """
 
     name: str
 

@@ -57,7 +57,12 @@ def test_bench_result_records_the_machine_and_method(smoke: tuple[dict[str, obje
     assert {"cpu", "torch", "platform", "device", "torch_threads"} <= set(machine)
     assert result["kernel"] == "cpu"
     assert "perf_counter" in str(result["timing"])
-    assert result["host_overhead_us"]["median_us"] > 0  # type: ignore[index]
+    host = result["host_overhead_us"]
+    assert isinstance(host, dict)
+    assert host["median_us"] > 0
+    # On the CPU: the clean check alone, and the guard's own share, which add up.
+    assert host["check_us"] > 0
+    assert host["own_us"] == pytest.approx(host["median_us"] - host["check_us"])
 
 
 def test_bench_prints_one_table_row_per_case(smoke: tuple[dict[str, object], str]) -> None:

@@ -94,6 +94,30 @@ def test_flags_left_by_a_dirty_call_are_cleared_by_later_calls(kernel: CpuLogits
     assert buffer.tolist() == [0, 0, 0, 0]
 
 
+def test_the_sites_clean_check_proves_clean_batches_and_hands_dirty_ones_on() -> None:
+    spec = Mode().spec(torch.float32)
+    ws = CPU_KERNEL.workspace(4, torch.device("cpu"))
+    flags = torch.zeros(4, dtype=torch.uint8)
+    counts = torch.zeros(len(LOGITS_SLOTS), dtype=torch.int64)
+    assert CPU_KERNEL.check(torch.randn(4, 50), flags, ws)
+    dirty = torch.randn(4, 50)
+    dirty[1, 7] = math.nan
+    assert not CPU_KERNEL.check(dirty, flags, ws)
+    assert ws.checked is False  # the kernel call that follows need not sum again
+    CPU_KERNEL(dirty, flags, counts, spec, ws)
+    assert ws.checked is None
+    assert flags.tolist() == [0, 1, 0, 0]
+    assert dirty[1, 7] == -math.inf
+    # A large or float16 batch is not the check's: the kernel's chunked check decides.
+    assert not CPU_KERNEL.check(torch.randn(4, 50).half(), flags, ws)
+    assert ws.checked is None
+    # A stale "not finite" (a call that raised between check and kernel) costs time only.
+    ws.checked = False
+    CPU_KERNEL(torch.randn(4, 50), flags, counts, spec, ws)
+    assert flags.tolist() == [0, 0, 0, 0]
+    assert counts.tolist() == [1, 0, 0, 1, 0]
+
+
 @pytest.mark.parametrize(
     ("vocab", "target", "plan"),
     [

@@ -282,21 +282,35 @@ class _CudaTimer:
 
 
 def _host_overhead(config: BenchConfig, site: Any, device: torch.device) -> dict[str, Any]:
-    """Median host time of one guarded call on a tiny clean tensor (no device wait)."""
+    """Median host time of one guarded call on a tiny clean tensor (no device wait). On the
+    CPU also that of the clean check alone (one sum and `.item()`, interleaved call by call)
+    and the difference: what the guard's own Python costs on every call."""
     tiny = torch.randn(*config.tiny_shape, device=device)
     for _ in range(10):
         site(tiny)
     if device.type == "cuda":
         torch.cuda.synchronize()
     clock = time.perf_counter
-    samples = []
+    cpu = device.type == "cpu"
+    samples, checks = [], []
     for _ in range(config.tiny_repeats):
         t0 = clock()
         site(tiny)
         samples.append(clock() - t0)
+        if cpu:
+            t0 = clock()
+            math.isfinite(tiny.sum().item())
+            checks.append(clock() - t0)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return {"shape": list(config.tiny_shape), "median_us": statistics.median(samples) * 1e6}
+    result: dict[str, Any] = {
+        "shape": list(config.tiny_shape),
+        "median_us": statistics.median(samples) * 1e6,
+    }
+    if cpu:
+        result["check_us"] = statistics.median(checks) * 1e6
+        result["own_us"] = result["median_us"] - result["check_us"]
+    return result
 
 
 def _copy_bandwidth(device: torch.device) -> float:
@@ -379,7 +393,13 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     lines += [_row(case) for case in result["cases"]]
     host = result["host_overhead_us"]
-    lines += ["", f"host overhead per call ({host['shape']} tensor): {host['median_us']:.2f} us"]
+    line = f"host overhead per call ({host['shape']} tensor): {host['median_us']:.2f} us"
+    if "own_us" in host:
+        line += (
+            f" (the clean check alone {host['check_us']:.2f} us; "
+            f"the guard's own {host['own_us']:.2f} us)"
+        )
+    lines += ["", line]
     if "d2d_copy_bandwidth_gbs" in result:
         lines.append(
             f"device-to-device copy bandwidth: {result['d2d_copy_bandwidth_gbs']:.0f} GB/s"
