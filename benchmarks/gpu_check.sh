@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU check in one command (about 3-5 minutes on an H200):
+# The whole GPU check in one command (about 3-5 minutes on an H200; at most 7 min 20 s, the
+# sum of its steps' time limits, so that a 15-minute device budget leaves room for a rerun):
 #
 #   benchmarks/gpu_check.sh OUT_DIR
 #
@@ -10,8 +11,9 @@
 #
 # Python: the checkout's .venv if there is one, else `python3` (a bare GPU image). Wheels in
 # .whl/ (made here by benchmarks/gpu_wheels.sh for an image without pydantic or structlog)
-# are installed into a scratch directory first. Writes into OUT_DIR: gpu-env.log,
-# gpu-tests.log, gpu-compile.log, gpu-bench.log and the benchmark's cuda-<gpu>-<time>.json.
+# are installed into a scratch directory first, where that Python lacks them. Writes into
+# OUT_DIR: gpu-env.log, gpu-tests.log, gpu-compile.log, gpu-bench.log and the benchmark's
+# cuda-<gpu>-<time>.json.
 # Exit status: non-zero if any step failed (every step always runs).
 set -uo pipefail
 
@@ -23,7 +25,8 @@ cd "$root"
 
 py="$root/.venv/bin/python"
 [ -x "$py" ] || py="$(command -v python3)"
-if compgen -G "$root/.whl/*.whl" >/dev/null; then
+if ! "$py" -c 'import pydantic, pydantic_settings, structlog' 2>/dev/null \
+  && compgen -G "$root/.whl/*.whl" >/dev/null; then
   site_dir="$(mktemp -d)"
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site_dir" "$root"/.whl/*.whl || exit 1
@@ -40,13 +43,13 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 } >"$out/gpu-env.log" 2>&1
 
 status=0
-timeout 240 "$py" -m pytest tests -m cuda -p no:cacheprovider -q -rA \
+timeout 200 "$py" -m pytest tests -m cuda -p no:cacheprovider -q -rA --durations=15 \
   2>&1 | tee "$out/gpu-tests.log" || status=1
 
-timeout 120 "$py" -m pytest tests/contract/test_compiled.py -p no:cacheprovider -q -rA \
+timeout 90 "$py" -m pytest tests/contract/test_compiled.py -p no:cacheprovider -q -rA \
   2>&1 | tee "$out/gpu-compile.log" || status=1
 
-timeout 200 "$py" -m guardrails bench --device cuda --out "$out" \
+timeout 150 "$py" -m guardrails bench --device cuda --out "$out" \
   2>&1 | tee "$out/gpu-bench.log" || status=1
 
 echo "gpu_check: results in $out (status $status)"
