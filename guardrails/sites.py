@@ -319,18 +319,26 @@ class _SiteBase:
 
     def recent(self, device: torch.device | str | None = None) -> tuple[int, torch.Tensor] | None:
         """`(call number, row flags)` of this site's latest call on the calling thread (on
-        `device`, default: the device used last), or None before one.
+        `device`, default: the device used last; on any of its streams), or None before one.
 
         The flags are a view of the thread's buffer, valid until the site's next call on
-        this thread; call numbers grow, so a reader can tell a new call from one it has
-        seen. Reading them never synchronises: the values are whatever the device has
-        written by the time the reader's own device work runs (stream order)."""
+        this thread (and that stream); call numbers grow, so a reader can tell a new call
+        from one it has seen. Reading them never synchronises: the values are whatever the
+        device has written by the time the reader's own device work runs (stream order)."""
         state = (
             self._state if device is None else self._states.get(_normalise(torch.device(device)))
         )
         if state is None:
             return None
-        buffers = state.buffers.get(state.key())
+        thread = _get_ident()
+        if not state.streams:
+            buffers = state.buffers.get(thread)
+        else:
+            # Not only the current stream's: an engine hook may read outside the stream
+            # context its sampler ran in.
+            with self._lock:
+                mine = [b for k, b in state.buffers.items() if _thread_of(k) == thread]
+            buffers = max(mine, key=lambda b: b.recent_call, default=None)
         if buffers is None or buffers.recent is None:
             return None
         return buffers.recent_call, buffers.recent

@@ -76,11 +76,17 @@ def test_each_stream_of_a_thread_gets_its_own_flags_and_kernel_workspace(
     assert state is not None
     workspaces = {id(b.workspace) for b in state.buffers.values()}
     assert len(state.buffers) == len(workspaces) == 2
-    # recent() is the current stream's latest call.
-    found = site.recent()
-    assert found is not None
-    assert found[1].data_ptr() == flags_2.data_ptr()
+    # recent() is the thread's latest call on any stream (a hook may read it outside the
+    # stream context its sampler ran in).
+    for stream in (1, 2, 7):
+        streams.stream = stream
+        found = site.recent()
+        assert found is not None
+        assert found[0] == site.calls
+        assert found[1].data_ptr() == flags_2.data_ptr()
     streams.stream = 1
+    site(dirty)
+    streams.stream = 2
     found = site.recent()
     assert found is not None
     assert found[1].data_ptr() == flags_1.data_ptr()
