@@ -53,16 +53,22 @@ class _Streams:
         state = site._state
         assert state is not None
         state.streams = True
+        self.state = state
         monkeypatch.setattr(sites, "_cuda_stream_id", lambda index: self.stream)
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
 
 
+@pytest.fixture
+def streamed(monkeypatch: pytest.MonkeyPatch) -> tuple[sites.LogitsSite, _Streams]:
+    site = fresh_guardrails().site(SITE, device="cpu", capacity=8)
+    assert isinstance(site, sites.LogitsSite)
+    return site, _Streams(monkeypatch, site)
+
+
 def test_each_stream_of_a_thread_gets_its_own_flags_and_kernel_workspace(
-    monkeypatch: pytest.MonkeyPatch,
+    streamed: tuple[sites.LogitsSite, _Streams],
 ) -> None:
-    guards = fresh_guardrails()
-    site = guards.site(SITE, device="cpu", capacity=8)
-    streams = _Streams(monkeypatch, site)
+    site, streams = streamed
     dirty = torch.randn(4, 32)
     dirty[2, 5] = math.nan
     flags_1 = site(dirty)
@@ -72,8 +78,7 @@ def test_each_stream_of_a_thread_gets_its_own_flags_and_kernel_workspace(
     # Stream 2's clean call left stream 1's flags alone (they are that stream's output).
     assert flags_1.tolist() == [0, 0, int(RowFlag.NAN), 0]
     assert flags_2.tolist() == [0, 0, 0, 0]
-    state = site._state
-    assert state is not None
+    state = streams.state
     workspaces = {id(b.workspace) for b in state.buffers.values()}
     assert len(state.buffers) == len(workspaces) == 2
     # recent() is the thread's latest call on any stream (a hook may read it outside the
@@ -93,14 +98,11 @@ def test_each_stream_of_a_thread_gets_its_own_flags_and_kernel_workspace(
 
 
 def test_a_capture_on_a_new_stream_takes_a_reserved_spare_else_shares_the_threads_buffers(
-    monkeypatch: pytest.MonkeyPatch,
+    streamed: tuple[sites.LogitsSite, _Streams],
 ) -> None:
-    guards = fresh_guardrails()
-    site = guards.site(SITE, device="cpu", capacity=8)
-    streams = _Streams(monkeypatch, site)
+    site, streams = streamed
     eager = site(torch.randn(4, 32))  # takes the spare made with the state
-    state = site._state
-    assert state is not None
+    state = streams.state
     assert not state.spare
     # torch.cuda.graph captures on a side stream: nothing may be allocated there.
     streams.stream, streams.capturing = 2, True
@@ -121,13 +123,11 @@ def test_a_capture_on_a_new_stream_takes_a_reserved_spare_else_shares_the_thread
 
 
 def test_buffers_a_capture_shared_are_reclaimed_once_when_their_thread_ends(
-    monkeypatch: pytest.MonkeyPatch,
+    streamed: tuple[sites.LogitsSite, _Streams],
 ) -> None:
     import threading
 
-    guards = fresh_guardrails()
-    site = guards.site(SITE, device="cpu", capacity=4)
-    streams = _Streams(monkeypatch, site)
+    site, streams = streamed
     site(torch.randn(2, 16))
 
     def worker() -> None:
@@ -140,8 +140,7 @@ def test_buffers_a_capture_shared_are_reclaimed_once_when_their_thread_ends(
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join()
-    state = site._state
-    assert state is not None
+    state = streams.state
     assert len(state.buffers) == 3  # main, and the worker's two keys on one set of buffers
     state._reclaim()
     assert len(state.buffers) == 1
