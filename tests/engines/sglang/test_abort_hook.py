@@ -49,9 +49,26 @@ def commit_decode_step(
     batch = SimpleNamespace(reqs=reqs)
     result = SimpleNamespace(logits_output=output, copy_done=None)
     processor_half(lambda *args, **kwargs: None, None, (batch, result), {})
+    commit_tokens(reqs, ids)
+
+
+def commit_tokens(reqs: list[Any], ids: torch.Tensor) -> None:
+    """SGLang's decode loop committing one sampled id per request."""
     for req, token in zip(reqs, ids.tolist(), strict=True):
         req.output_ids.extend([token])
         req.update_finish_state(1)
+
+
+def guarded_decode_step(engine: Any, dtype: torch.dtype, fault: str, mode: str) -> list[Any]:
+    """One guarded sampler call on logits with `fault`, committed through the hook; the
+    requests it leaves."""
+    logits = clean_logits(dtype)
+    inject(logits, fault)
+    reqs = make_reqs(logits.shape[0])
+    with guarded():
+        ids, output = sample(engine, logits, mode)
+        commit_decode_step(hook._SchedulerHalf(), reqs, output, ids)
+    return reqs
 
 
 def test_a_poisoned_request_ends_with_sglangs_finish_abort_503(engine: Any, outcome: Any) -> None:
@@ -64,9 +81,7 @@ def test_a_poisoned_request_ends_with_sglangs_finish_abort_503(engine: Any, outc
         unguarded += " (whole batch)"
     else:
         # The Gumbel-max path (0.5.23) returns an id for the NaN row and SGLang commits it.
-        for req, token in zip(plain_reqs, plain_ids.tolist(), strict=True):
-            req.output_ids.extend([token])
-            req.update_finish_state(1)
+        commit_tokens(plain_reqs, plain_ids)
         assert not any(req.finished() for req in plain_reqs)
         unguarded += ": request carries on (no finish reason)"
 
@@ -95,23 +110,13 @@ def test_a_poisoned_request_ends_with_sglangs_finish_abort_503(engine: Any, outc
 
 
 def test_an_all_neginf_request_is_aborted_and_the_clean_ones_are_not(engine: Any) -> None:
-    logits = clean_logits(torch.bfloat16)
-    inject(logits, "all_neginf")
-    reqs = make_reqs(logits.shape[0])
-    with guarded():
-        ids, output = sample(engine, logits, "top_k_top_p")
-        commit_decode_step(hook._SchedulerHalf(), reqs, output, ids)
+    reqs = guarded_decode_step(engine, torch.bfloat16, "all_neginf", "top_k_top_p")
     ended = [type(req.finished_reason).__name__ if req.finished() else None for req in reqs]
     assert ended == ["FINISH_ABORT" if i == FAULT_ROW else None for i in range(len(reqs))]
 
 
 def test_healed_nan_entries_do_not_abort(engine: Any) -> None:
-    logits = clean_logits(torch.float32)
-    inject(logits, "nan_entries")
-    reqs = make_reqs(logits.shape[0])
-    with guarded():
-        ids, output = sample(engine, logits, "greedy")
-        commit_decode_step(hook._SchedulerHalf(), reqs, output, ids)
+    reqs = guarded_decode_step(engine, torch.float32, "nan_entries", "greedy")
     assert not any(req.finished() for req in reqs)
 
 
