@@ -14,6 +14,7 @@ __all__ = [
     "ATTACH_ERROR_EVENT",
     "EVENT_NAMES",
     "GUARD_ERROR_EVENT",
+    "HOOK_ACTS_ON",
     "KNOWN_HOOKS",
     "KNOWN_SITES",
     "LOGGER_NAME",
@@ -21,6 +22,7 @@ __all__ = [
     "NO_VALID_TOKEN_EVENT",
     "OOB_EVENT",
     "REPORTING_ERROR_EVENT",
+    "SITE_NOT_CALLED_EVENT",
     "STARTED_EVENT",
     "validate_site_name",
 ]
@@ -50,6 +52,13 @@ KNOWN_HOOKS: Final[Mapping[str, str]] = {
     "sglang.abort_poisoned_requests": "guardrails.integrations.sglang:abort_poisoned_requests",
 }
 
+# The sites whose `abort_on` each hook acts on. A site whose `abort_on` no configured hook
+# acts on ends nothing under `guardrails run`: `guardrails check` and the launcher say so.
+HOOK_ACTS_ON: Final[Mapping[str, tuple[str, ...]]] = {
+    "vllm.end_poisoned_requests": ("sampler.logits",),
+    "sglang.abort_poisoned_requests": ("sampler.logits",),
+}
+
 LOGGER_NAME: Final = "guardrails"
 NONFINITE_EVENT: Final = "guardrails.nonfinite_logits"
 NO_VALID_TOKEN_EVENT: Final = "guardrails.no_valid_token"
@@ -60,6 +69,9 @@ ATTACH_ERROR_EVENT: Final = "guardrails.attach_error"
 # A patched target's call whose tensor the site refused: counted, logged once, call unguarded.
 GUARD_ERROR_EVENT: Final = "guardrails.guard_error"
 STARTED_EVENT: Final = "guardrails.started"  # once per Guardrails: what guards, what is off
+# An attached site (or a hook half) the engine did not call while the heartbeat ran
+# liveness_steps times: it is on no path this engine runs, so it guards nothing.
+SITE_NOT_CALLED_EVENT: Final = "guardrails.site_not_called"
 EVENT_NAMES: Final = (
     NONFINITE_EVENT,
     NO_VALID_TOKEN_EVENT,
@@ -67,6 +79,7 @@ EVENT_NAMES: Final = (
     REPORTING_ERROR_EVENT,
     GUARD_ERROR_EVENT,
     ATTACH_ERROR_EVENT,
+    SITE_NOT_CALLED_EVENT,
     STARTED_EVENT,
 )
 

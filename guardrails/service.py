@@ -27,14 +27,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from guardrails.attach.handles import GuardedFunction, Handle, attach_module
+from guardrails.attach.liveness import HeartbeatHandle, Liveness, Watched
 from guardrails.attach.patching import AttachErrors, GuardErrors, PatchHandle
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.distribution import clash_advice, other_owners
+from guardrails.exceptions import Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger
 from guardrails.names import validate_site_name
 from guardrails.reporting.reporter import Reporter
 from guardrails.settings import GuardSettings
+from guardrails.settings.targets import Ref, parse_target
 from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite
 
 if TYPE_CHECKING:
@@ -66,8 +69,13 @@ class Guardrails:
         self._closed = False
         # Import-path patches made through this instance, by point: applied, pending or
         # disabled (removed ones leave). Re-entrant: removing a handle forgets it under it.
-        self._patches: dict[tuple[str, str, str, str], PatchHandle] = {}
+        self._patches: dict[tuple[str, ...], PatchHandle] = {}
         self._patches_lock = threading.RLock()
+        # Engine hooks installed through this instance, and the liveness self-check with
+        # its heartbeat patches (made by attach_configured when settings name a heartbeat).
+        self._hooks: list[Any] = []
+        self._liveness: Liveness | None = None
+        self._heartbeats: list[HeartbeatHandle] = []
         self._reporter = Reporter(self.settings, registry=registry, clock=clock, logger=logger)
         # Calls that patches leave unguarded (a tensor the site refused), counted and logged
         # once, through the same registry and the host's logging.
@@ -242,7 +250,8 @@ class Guardrails:
     def attach_configured(
         self, *, on_error: Callable[[AttachError], None] | None = None
     ) -> list[PatchHandle]:
-        """Apply the `[[attach]]` entries of the settings (what `guardrails run` does).
+        """Apply the `[[attach]]` entries of the settings, and the heartbeat that checks they
+        are called (what `guardrails run` does; `guardrails.attach.liveness`).
 
         A point that does not fit its target (now, or when its module is imported) goes to
         `on_error`. Default: with `strict_attach` it is raised (from the import that loads
@@ -252,11 +261,83 @@ class Guardrails:
         for index, entry in enumerate(self.settings.attach):
             origin = self.settings.origin("attach", index, "target")
             point = AttachPoint.from_settings(entry, origin)
-            failed = on_error
-            if failed is None and not self.settings.strict_attach:
-                failed = functools.partial(self._attach_failed, point)
-            handles.append(self._patch(point, on_error=failed))
+            handles.append(self._patch(point, on_error=self._on_attach_error(point, on_error)))
+        self._install_heartbeat(on_error)
         return handles
+
+    def _on_attach_error(
+        self, point: AttachPoint, on_error: Callable[[AttachError], None] | None
+    ) -> Callable[[AttachError], None] | None:
+        if on_error is None and not self.settings.strict_attach:
+            return functools.partial(self._attach_failed, point)
+        return on_error
+
+    def _install_heartbeat(self, on_error: Callable[[AttachError], None] | None) -> None:
+        settings = self.settings
+        if not settings.heartbeat or self._liveness is not None:
+            return
+        self._liveness = Liveness(
+            steps=settings.liveness_steps,
+            heartbeat=settings.heartbeat,
+            watched=self._watched,
+            report=self._reporter.liveness,
+        )
+        for text in settings.heartbeat:
+            point = AttachPoint(
+                site="heartbeat",
+                target=parse_target(text),
+                tensor=Ref("return"),
+                origin=settings.origin("heartbeat"),
+            )
+            handle = HeartbeatHandle(
+                point, self._liveness, self._on_attach_error(point, on_error), lambda: self.closed
+            )
+            self._heartbeats.append(handle)
+            handle.install()
+
+    @property
+    def liveness(self) -> Liveness | None:
+        """The liveness self-check, once `attach_configured()` found a heartbeat."""
+        return self._liveness
+
+    def heartbeats(self) -> list[HeartbeatHandle]:
+        """The heartbeat patches (`.state`: pending, applied, failed, ...)."""
+        return list(self._heartbeats)
+
+    def _watched(self) -> list[Watched]:
+        """What the liveness self-check watches now (see `guardrails.attach.liveness`)."""
+        settings = self.settings
+        found: dict[str, tuple[list[str], list[str]]] = {}
+        for handle in self.patches():
+            name = handle.point.site
+            if handle.state in ("inapplicable", "disabled", "removed"):
+                continue
+            if not settings.is_site_enabled(name) or not settings.site_settings(name).expect_calls:
+                continue
+            targets, states = found.setdefault(name, ([], []))
+            targets.append(str(handle.point.target))
+            states.append(handle.state)
+        out = []
+        for name, (targets, states) in found.items():
+            site = self._sites.get(name)
+            out.append(
+                Watched(name, 0 if site is None else site.calls, tuple(targets), tuple(states))
+            )
+        halves: dict[str, list[Any]] = {}
+        for hook in self._hooks:
+            watch = getattr(hook, "watch_name", None)
+            if watch is not None and hook.state in ("pending", "applied", "error"):
+                halves.setdefault(watch, []).append(hook)
+        for name, hooks in halves.items():
+            out.append(
+                Watched(
+                    name,
+                    sum(hook.calls for hook in hooks),
+                    tuple(hook.path for hook in hooks),
+                    tuple(hook.state for hook in hooks),
+                )
+            )
+        return out
 
     def _attach_failed(self, point: AttachPoint, error: AttachError) -> None:
         self._attach_errors.record(site=point.site, target=str(point.target), error=error)
@@ -280,15 +361,42 @@ class Guardrails:
             module_name, _, function = path.partition(":")
             try:
                 installer = getattr(importlib.import_module(module_name), function)
-                handles.extend(installer(self))
+                made = list(installer(self))
+                for handle in made:
+                    install = getattr(handle, "install", None)
+                    if install is not None:
+                        install()
+                handles.extend(made)
             except Exception as exc:
-                if on_error is not None:
-                    on_error(exc)
-                elif self.settings.strict_attach:
-                    raise
-                else:
-                    self._attach_errors.record(site=name, target=path, error=exc)
+                self._hook_failed(name, path, exc, on_error)
+        self._hooks.extend(handles)
+        for site in self.settings.unacted_abort_sites():
+            # Nothing under `guardrails run` ends these rows: as loud as a missing target.
+            problem = Problem(
+                self.settings.origin("sites", site, "abort_on"),
+                "no configured hook acts on it, so nothing ends these rows; add the engine's "
+                "hook to `hooks` (guardrails.names.HOOK_ACTS_ON) or remove abort_on",
+            )
+            self._hook_failed(site, "abort_on", AttachError([problem]), on_error)
         return handles
+
+    def _hook_failed(
+        self,
+        name: str,
+        target: str,
+        exc: Exception,
+        on_error: Callable[[Exception], None] | None,
+    ) -> None:
+        if on_error is not None:
+            on_error(exc)
+        elif self.settings.strict_attach:
+            raise exc
+        else:
+            self._attach_errors.record(site=name, target=target, error=exc)
+
+    def hooks(self) -> list[Any]:
+        """The engine-hook handles `install_hooks()` made (`.state`, `.calls`, `.remove()`)."""
+        return list(self._hooks)
 
     @property
     def guard_errors(self) -> GuardErrors:

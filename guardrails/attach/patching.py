@@ -32,6 +32,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +45,12 @@ from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved, namespace, reader, resolve, vocab_of
 from guardrails.exceptions import TensorTypeError, TensorValueError
 from guardrails.names import ATTACH_ERROR_EVENT, GUARD_ERROR_EVENT
-from guardrails.settings.targets import installed_version, parse_requirement, requirement_holds
+from guardrails.settings.targets import (
+    imported_version,
+    installed_version,
+    parse_requirement,
+    requirement_holds,
+)
 
 if TYPE_CHECKING:
     from guardrails.settings import GuardSettings
@@ -52,9 +58,11 @@ if TYPE_CHECKING:
 __all__ = [
     "AttachErrors",
     "GuardErrors",
+    "ImportPatch",
     "PatchHandle",
     "PatchOwner",
     "TargetReport",
+    "around",
     "inspect_point",
 ]
 
@@ -209,45 +217,50 @@ def _off(value: Any) -> None:
     return None
 
 
-class PatchHandle(Handle):
-    """One attach point on one `Guardrails`: pending until its module is imported, then
-    applied (or disabled by settings). `.remove()` restores the original attribute."""
+class ImportPatch(Handle):
+    """What every import-path patch shares: waiting for its module's import, the `when`
+    check, wrapping the target in place and putting it back.
+
+    Subclasses say what the wrapper does (`_wrap`) and how it stops acting when it cannot be
+    taken out of a chain (`_stop`). States: pending (module not imported yet), applied,
+    disabled, inapplicable (`when` names other versions), failed, removed.
+    """
 
     def __init__(
         self,
         point: AttachPoint,
-        guards: PatchOwner,
         on_error: Callable[[AttachError], None] | None,
-        on_remove: Callable[[PatchHandle], None] | None = None,
+        on_remove: Callable[[Any], None] | None,
+        closed: Callable[[], bool],
     ) -> None:
         super().__init__(self._undo, str(point))
         self.point = point
         self.error: AttachError | None = None
-        self._guards = guards
         self._on_error = on_error
         self._on_remove = on_remove
+        self._closed = closed
         self._state: State = "pending"
         self._lock = threading.Lock()
-        # [guard]: swapped for `_off` when the original cannot be put back (see _undo).
-        self._guard: list[Guard | None] = [None]
         self._installed: tuple[Resolved, Any] | None = None
+        # `when` names a distribution with no metadata (a source checkout on PYTHONPATH):
+        # decided from the module's own __version__ once it is imported.
+        self._version_unknown = False
 
     @property
     def state(self) -> State:
         return self._state
-
-    @property
-    def guards(self) -> PatchOwner:
-        return self._guards
 
     def install(self) -> None:
         """Apply now if the target's module is imported, else right after it is; a point
         whose `when` requirement the installed distribution does not meet is inapplicable
         and never applied."""
         when = self.point.when
-        if when is not None and requirement_holds(when) is not True:
-            self._state = "inapplicable"
-            return
+        if when is not None:
+            holds = requirement_holds(when)
+            if holds is False:
+                self._state = "inapplicable"
+                return
+            self._version_unknown = holds is None
         import wrapt  # late: only processes that patch pay for the import hook machinery
 
         wrapt.register_post_import_hook(self._on_import, self.point.target.module)
@@ -270,37 +283,23 @@ class PatchHandle(Handle):
         with self._lock:
             if self._state != "pending":
                 return
-            if self._guards.closed:
-                self._state = "removed"  # its module came after its Guardrails was closed
+            if self._closed():
+                self._state = "removed"  # its module came after its owner was closed
                 return
             point = self.point
+            unknown = self._version_unknown and point.when is not None
+            if unknown and not self._version_holds(point.when or ""):
+                self._state = "inapplicable"
+                return
             resolved = resolve(point, module)
-            read = reader(point, point.tensor, resolved)
-            read_vocab = None
-            if point.vocab_size_from is not None:
-                if point.vocab_size_from.source == "return" and point.tensor.source == "arg":
-                    raise point.error(
-                        f"vocab_size_from = {str(point.vocab_size_from)!r} is read after the "
-                        f"call but tensor = {str(point.tensor)!r} is guarded before it"
-                    )
-                read_vocab = reader(point, point.vocab_size_from, resolved)
-            if not self._guards.is_enabled(point.site):
+            if inspect.isasyncgenfunction(resolved.func):
+                raise point.error(
+                    "is an async generator function; patch the function that consumes it"
+                )
+            wrapper = self._wrap(resolved)
+            if wrapper is None:
                 self._state = "disabled"  # nothing wrapped: a disabled site costs nothing
                 return
-            _refuse_foreign(point, resolved, self._guards)
-            if point.kind == "logits":
-                self._guard[0] = self._guards.site(point.site)
-            elif point.vocab_size is not None:
-                self._guard[0] = self._guards.token_site(point.site, vocab_size=point.vocab_size)
-            self._guards.guard_errors.prepare(point.site)
-            # In CI mode a site's assert must fail the process where the bad value is (on
-            # the CPU it raises at once); every other error of the guard is contained.
-            fatal: tuple[type[Exception], ...] = (
-                (RuntimeError,)
-                if self._guards.settings.site_settings(point.site).async_assert
-                else ()
-            )
-            wrapper = _wrapper(self, resolved.func, read, read_vocab, point.tensor.source, fatal)
             setattr(wrapper, _MARKER, self)
             installed: Any = wrapper
             if isinstance(resolved.raw, staticmethod):
@@ -310,6 +309,104 @@ class PatchHandle(Handle):
             setattr(resolved.owner, resolved.name, installed)
             self._installed = (resolved, installed)
             self._state = "applied"
+
+    def _version_holds(self, when: str) -> bool:
+        version = imported_version(when)
+        holds = requirement_holds(when, version)
+        if holds is None:
+            name = parse_requirement(when).name
+            found = "no version" if version is None else f"the version {version!r}"
+            raise self.point.error(
+                f"when = {when!r} cannot be checked: {name} has no distribution metadata "
+                f"(imported from a source checkout or installed under another name?) and "
+                f"{found} in its __version__; install it as a distribution (pip install -e "
+                "<checkout>) or drop `when` from this point"
+            )
+        return holds
+
+    def _wrap(self, resolved: Resolved) -> Callable[..., Any] | None:
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        """The wrapper stays in the chain (someone wrapped it): make it pass calls through."""
+        raise NotImplementedError
+
+    def _undo(self) -> None:
+        with self._lock:
+            if self._installed is not None:
+                resolved, installed = self._installed
+                current = namespace(resolved.owner).get(resolved.name)
+                if current is installed:
+                    if resolved.own:
+                        setattr(resolved.owner, resolved.name, resolved.raw)
+                    else:
+                        delattr(resolved.owner, resolved.name)
+                else:
+                    # Someone wrapped our wrapper: putting the original back would drop
+                    # theirs, so ours stays in the chain and stops acting.
+                    self._stop()
+                self._installed = None
+            self._state = "removed"
+        if self._on_remove is not None:
+            self._on_remove(self)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.point} {self._state}>"
+
+
+class PatchHandle(ImportPatch):
+    """One attach point on one `Guardrails`: pending until its module is imported, then
+    applied (or disabled by settings). `.remove()` restores the original attribute."""
+
+    def __init__(
+        self,
+        point: AttachPoint,
+        guards: PatchOwner,
+        on_error: Callable[[AttachError], None] | None,
+        on_remove: Callable[[PatchHandle], None] | None = None,
+    ) -> None:
+        super().__init__(point, on_error, on_remove, lambda: guards.closed)
+        self._guards = guards
+        # [guard]: swapped for `_off` when the original cannot be put back (see _undo).
+        self._guard: list[Guard | None] = [None]
+
+    @property
+    def guards(self) -> PatchOwner:
+        return self._guards
+
+    def _wrap(self, resolved: Resolved) -> Callable[..., Any] | None:
+        point = self.point
+        read = reader(point, point.tensor, resolved)
+        read_vocab = None
+        if point.vocab_size_from is not None:
+            if point.vocab_size_from.source == "return" and point.tensor.source == "arg":
+                raise point.error(
+                    f"vocab_size_from = {str(point.vocab_size_from)!r} is read after the "
+                    f"call but tensor = {str(point.tensor)!r} is guarded before it"
+                )
+            read_vocab = reader(point, point.vocab_size_from, resolved)
+        if point.tensor.source == "return" and inspect.isgeneratorfunction(resolved.func):
+            raise point.error(
+                'is a generator function: tensor = "return" would be the generator, not the '
+                "logits; guard an argument, or patch the function that consumes it"
+            )
+        if not self._guards.is_enabled(point.site):
+            return None
+        _refuse_twice(point, resolved, self._guards)
+        if point.kind == "logits":
+            self._guard[0] = self._guards.site(point.site)
+        elif point.vocab_size is not None:
+            self._guard[0] = self._guards.token_site(point.site, vocab_size=point.vocab_size)
+        self._guards.guard_errors.prepare(point.site)
+        # In CI mode a site's assert must fail the process where the bad value is (on
+        # the CPU it raises at once); every other error of the guard is contained.
+        fatal: tuple[type[Exception], ...] = (
+            (RuntimeError,) if self._guards.settings.site_settings(point.site).async_assert else ()
+        )
+        return _wrapper(self, resolved.func, read, read_vocab, point.tensor.source, fatal)
+
+    def _stop(self) -> None:
+        self._guard[0] = _off
 
     def _token_guard(self, vocab: int) -> Guard:
         """The token-id site, made at the first call (sized from its `vocab_size_from`
@@ -325,27 +422,60 @@ class PatchHandle(Handle):
         """This call goes on unguarded: counted and (once per site and reason) logged."""
         self._guards.guard_errors.record(self.point, reason, error)
 
-    def _undo(self) -> None:
-        with self._lock:
-            if self._installed is not None:
-                resolved, installed = self._installed
-                current = namespace(resolved.owner).get(resolved.name)
-                if current is installed:
-                    if resolved.own:
-                        setattr(resolved.owner, resolved.name, resolved.raw)
-                    else:
-                        delattr(resolved.owner, resolved.name)
-                else:
-                    # Someone wrapped our wrapper: putting the original back would drop
-                    # theirs, so ours stays in the chain and stops guarding.
-                    self._guard[0] = _off
-                self._installed = None
-            self._state = "removed"
-        if self._on_remove is not None:
-            self._on_remove(self)
 
-    def __repr__(self) -> str:
-        return f"<PatchHandle {self.point} {self._state}>"
+def around(
+    func: Callable[..., Any],
+    before: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None,
+    after: Callable[[tuple[Any, ...], dict[str, Any], Any], None] | None = None,
+) -> Callable[..., Any]:
+    """`func` wrapped so that `before(args, kwargs)` runs before each call and `after(args,
+    kwargs, result)` after it, keeping what callers test for: an `async def` stays a
+    coroutine function (`after` sees the awaited value), a generator function stays one
+    (`before` runs when it starts, as its body would). Exactly one of the two is given."""
+    if inspect.iscoroutinefunction(func):
+        if before is not None:
+            call_before = before
+
+            async def async_before(*args: Any, **kwargs: Any) -> Any:
+                call_before(args, kwargs)
+                return await func(*args, **kwargs)
+
+            return functools.wraps(func)(async_before)
+        if after is None:
+            raise ValueError("around() needs before or after")
+        call_after = after
+
+        async def async_after(*args: Any, **kwargs: Any) -> Any:
+            result = await func(*args, **kwargs)
+            call_after(args, kwargs, result)
+            return result
+
+        return functools.wraps(func)(async_after)
+    if before is not None:
+        call_before = before
+        if inspect.isgeneratorfunction(func):
+
+            def generator_before(*args: Any, **kwargs: Any) -> Any:
+                call_before(args, kwargs)
+                return (yield from func(*args, **kwargs))
+
+            return functools.wraps(func)(generator_before)
+
+        def sync_before(*args: Any, **kwargs: Any) -> Any:
+            call_before(args, kwargs)
+            return func(*args, **kwargs)
+
+        return functools.wraps(func)(sync_before)
+    if after is None:
+        raise ValueError("around() needs before or after")
+    call_after = after
+
+    def sync_after(*args: Any, **kwargs: Any) -> Any:
+        result = func(*args, **kwargs)
+        call_after(args, kwargs, result)
+        return result
+
+    return functools.wraps(func)(sync_after)
 
 
 def _wrapper(
@@ -392,36 +522,34 @@ def _wrapper(
 
     if when == "arg":
 
-        @functools.wraps(func)
-        def guard_before(*args: Any, **kwargs: Any) -> Any:
+        def guard_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             guard(args, kwargs, None)
-            return func(*args, **kwargs)
 
-        return guard_before
-
-    @functools.wraps(func)
-    def guard_after(*args: Any, **kwargs: Any) -> Any:
-        result = func(*args, **kwargs)
-        guard(args, kwargs, result)
-        return result
-
-    return guard_after
+        return around(func, before=guard_args)
+    return around(func, after=guard)
 
 
-def _refuse_foreign(point: AttachPoint, resolved: Resolved, guards: PatchOwner) -> None:
-    """The same point applied by another live `Guardrails` would count every call twice."""
+def _refuse_twice(point: AttachPoint, resolved: Resolved, guards: PatchOwner) -> None:
+    """The same value guarded twice at one site would count every call twice: by another
+    live `Guardrails`, or by another point of this one (two `[[attach]]` entries for one
+    target, site and tensor whose `when` ranges overlap)."""
     func: Any = resolved.func
     while func is not None:
         other = getattr(func, _MARKER, None)
         if (
             isinstance(other, PatchHandle)
-            and other.point.key == point.key
+            and other.point.slot == point.slot
             and other.state == "applied"
-            and other.guards is not guards
         ):
+            if other.guards is not guards:
+                raise point.error(
+                    f"is already guarded at {point.site!r} by another Guardrails instance; "
+                    "remove that handle first"
+                )
             raise point.error(
-                f"is already guarded at {point.site!r} by another Guardrails instance; remove "
-                "that handle first"
+                f"{point.tensor} is already guarded at {point.site!r} by {other.point.origin} "
+                f"(when = {other.point.when!r}); two points for one value must not both apply: "
+                "make their `when` ranges disjoint"
             )
         func = getattr(func, "__wrapped__", None)
 
@@ -442,17 +570,38 @@ def inspect_point(point: AttachPoint) -> TargetReport:
     """Import the target's module and check the target the way applying it would, without
     patching anything. A point whose `when` the installed version does not meet is
     inapplicable (not imported, not an error)."""
+    unknown = False
     if point.when is not None:
         holds = requirement_holds(point.when)
-        if holds is None:
-            name = parse_requirement(point.when).name
-            return TargetReport(point, "not_importable", f"{name} is not installed here")
-        if not holds:
+        if holds is False:
             version = installed_version(point.when)
             return TargetReport(
                 point, "inapplicable", f"for {point.when}; {version} is installed: skipped"
             )
+        unknown = holds is None
     try:
+        if unknown:
+            # No distribution metadata: the engine may still be importable (a source
+            # checkout on PYTHONPATH), and then its __version__ decides, as at run time.
+            name = parse_requirement(point.when or "").name
+            top = point.target.module.partition(".")[0]
+            if not _importable(top):
+                return TargetReport(point, "not_importable", f"{name} is not installed here")
+            importlib.import_module(top)
+            version = imported_version(point.when or "")
+            holds = requirement_holds(point.when or "", version)
+            if holds is None:
+                found = "no __version__" if version is None else f"__version__ {version!r}"
+                return TargetReport(
+                    point,
+                    "error",
+                    f"when = {point.when!r} cannot be checked: {name} has no distribution "
+                    f"metadata and {found}",
+                )
+            if not holds:
+                return TargetReport(
+                    point, "inapplicable", f"for {point.when}; {name} {version} is imported"
+                )
         module = importlib.import_module(point.target.module)
     except ModuleNotFoundError as exc:
         top = point.target.module.partition(".")[0]

@@ -66,8 +66,22 @@ class AttachPoint:
         return cls.from_settings(entry)
 
     @property
-    def key(self) -> tuple[str, str, str, str]:
-        return (str(self.target), self.site, str(self.tensor), self.kind)
+    def slot(self) -> tuple[str, str, str]:
+        """The value this point guards: two points of one slot must never both apply (every
+        call would be counted twice)."""
+        return (str(self.target), self.site, str(self.tensor))
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        """The point itself: applying the same key twice returns the same handle, while
+        points differing in `when` or the vocabulary are different points of one slot."""
+        return (
+            *self.slot,
+            self.kind,
+            str(self.vocab_size),
+            str(self.vocab_size_from),
+            str(self.when),
+        )
 
     def error(self, message: str) -> AttachError:
         return AttachError([Problem(self.origin, message, str(self.target))])

@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     attach_errors, not_importable, skipped = _check_points(points, settings, strict=args.strict)
     errors += attach_errors
     if settings is not None:
-        errors += _check_hooks(settings.hooks)
+        errors += _check_heartbeat(settings, strict=args.strict, warnings=warnings)
+        errors += _check_hooks(settings, strict=args.strict, warnings=warnings)
+        errors += _check_abort_on(settings)
     if points and not _has_wrapt():
         errors.append("wrapt is not importable: [[attach]] entries need it (pip install wrapt)")
     for error in errors:
@@ -185,25 +187,131 @@ def _check_points(
     return errors, not_importable, skipped
 
 
-def _check_hooks(hooks: tuple[str, ...]) -> list[str]:
-    """Each configured hook's code is there (its engine targets are checked when it runs)."""
+def _check_heartbeat(settings: GuardSettings, *, strict: bool, warnings: list[str]) -> list[str]:
+    """The heartbeat resolves like an attach target: without it, an attach point on a method
+    the engine never calls would guard nothing without a word."""
+    from guardrails.attach.patching import inspect_point
+    from guardrails.attach.points import AttachPoint
+    from guardrails.settings.targets import Ref, parse_target
+
+    errors: list[str] = []
+    if not settings.heartbeat:
+        print(f"  {'heartbeat':<13} none     (the liveness self-check is off)")
+        return errors
+    print(f"  {'liveness':<13} every {settings.liveness_steps} heartbeat calls")
+    for text in settings.heartbeat:
+        point = AttachPoint(
+            site="heartbeat",
+            target=parse_target(text),
+            tensor=Ref("return"),
+            origin=settings.origin("heartbeat"),
+        )
+        report = inspect_point(point)
+        if report.status == "ok":
+            print(f"  {'heartbeat':<13} ok       {text}")
+        elif report.status == "not_importable" and not strict:
+            _warn(warnings, "heartbeat", f"{text}: {report.message}")
+        else:
+            print(f"  {'heartbeat':<13} error    {text}: {report.message}")
+            errors.append(f"{point.origin}: {text}: {report.message}")
+    return errors
+
+
+def _check_hooks(settings: GuardSettings, *, strict: bool, warnings: list[str]) -> list[str]:
+    """Each configured hook's code is there, and each of its halves' engine methods
+    resolves (imported and found, nothing wrapped): a half whose module or method is gone
+    would leave the other half acting alone."""
     from guardrails.names import KNOWN_HOOKS
 
     errors = []
-    for name in hooks:
+    probe: Any = None
+    for name in settings.hooks:
         module_name, _, function = KNOWN_HOOKS[name].partition(":")
         try:
-            found = callable(getattr(importlib.import_module(module_name), function, None))
+            installer = getattr(importlib.import_module(module_name), function, None)
         except Exception as exc:
-            found = False
+            installer = None
             why = f"{type(exc).__name__}: {exc}"
         else:
             why = f"{KNOWN_HOOKS[name]} is missing"
-        if found:
-            print(f"  {'hook':<13} ok       {name} ({KNOWN_HOOKS[name]})")
-        else:
+        if not callable(installer):
             print(f"  {'hook':<13} error    {name}: {why}")
             errors.append(f"hook {name}: {why}")
+            continue
+        if probe is None:
+            probe = _probe(settings)
+        try:
+            halves = list(installer(probe))
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            print(f"  {'hook':<13} error    {name}: {why}")
+            errors.append(f"hook {name}: {why}")
+            continue
+        print(f"  {'hook':<13} ok       {name} ({KNOWN_HOOKS[name]})")
+        for half in halves:
+            errors += _check_half(name, half, strict=strict, warnings=warnings)
+    if probe is not None:
+        probe.close()
+    return errors
+
+
+def _probe(settings: GuardSettings) -> Any:
+    """A Guardrails for hook installers to build their halves with: its own registry and
+    no logging, so checking registers and logs nothing."""
+    from prometheus_client import CollectorRegistry
+
+    from guardrails.logs import SilentLogger
+    from guardrails.service import Guardrails
+
+    quiet = settings.model_copy(update={"metrics": settings.metrics.model_copy(update={"port": 0})})
+    return Guardrails(quiet, registry=CollectorRegistry(), logger=SilentLogger())
+
+
+def _check_half(name: str, half: Any, *, strict: bool, warnings: list[str]) -> list[str]:
+    from guardrails.settings.targets import requirement_holds
+
+    path = str(getattr(half, "path", half))
+    label = "hook half"
+    if getattr(half, "state", "") == "disabled":
+        print(f"  {label:<13} off      {path} (its site is off or its abort_on empty)")
+        return []
+    when = getattr(half, "when", None)
+    if when is not None and requirement_holds(when) is False:
+        print(f"  {label:<13} skipped  {path}: for {when}")
+        return []
+    try:
+        problem = half.inspect()
+    except ImportError as exc:
+        message = f"{name}: {path}: not importable here ({exc})"
+        if strict:
+            print(f"  {label:<13} error    {path}: not importable here ({exc})")
+            return [f"hook {message}"]
+        _warn(warnings, label, message)
+        return []
+    except Exception as exc:
+        problem = f"importing it failed: {type(exc).__name__}: {exc}"
+    if problem is None:
+        print(f"  {label:<13} ok       {path}")
+        return []
+    print(f"  {label:<13} error    {path}: {problem}")
+    return [f"hook {name}: {path}: {problem}"]
+
+
+def _check_abort_on(settings: GuardSettings) -> list[str]:
+    """`abort_on` that no configured hook acts on ends nothing under `guardrails run`: an
+    error for a configuration with attach points (a config for code that builds
+    GuardLogitsProcessor itself only gets the settings warning)."""
+    if not settings.attach:
+        return []
+    errors = []
+    for site in settings.unacted_abort_sites():
+        message = (
+            f"{settings.origin('sites', site, 'abort_on')}: no configured hook acts on it, so "
+            "under guardrails run nothing ends these rows (add the engine's hook to hooks, "
+            "see guardrails.names.HOOK_ACTS_ON, or remove abort_on)"
+        )
+        print(f"  {'abort_on':<13} error    {message}")
+        errors.append(message)
     return errors
 
 

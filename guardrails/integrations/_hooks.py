@@ -26,8 +26,18 @@ _log = logging.getLogger("guardrails")
 
 class MethodHook:
     """`module:Owner.method` wrapped by `half(wrapped, instance, args, kwargs)` once `module`
-    is imported (at once if it already is); `.state` is pending, applied, disabled, error or
-    removed, `.remove()` unwraps it."""
+    is imported (at once if it already is), from `install()` on: hook installers only build
+    these, and `Guardrails.install_hooks()` installs them, so that `guardrails check` can
+    inspect a hook's halves without wrapping anything.
+
+    `.state` is pending, applied, disabled, inapplicable (`when` names other versions of the
+    engine), error or removed; `.calls` counts the calls it handled. `expect_calls` marks a
+    half that runs in the heartbeat's process whenever the heartbeat does (a model-runner
+    half): the liveness self-check reports it when it sees no call, under `watch_name` (the
+    hook's name; `expect_calls="group"` watches it as "hook:group", apart from the hook's
+    other halves). Halves of one name are alternatives (one per model runner, only one of
+    which runs): they are judged on the sum of their calls. `.remove()` unwraps it.
+    """
 
     def __init__(
         self,
@@ -37,37 +47,81 @@ class MethodHook:
         target: str,
         half: Callable[..., Any],
         enabled: bool = True,
+        *,
+        expect_calls: bool | str = False,
+        when: str | None = None,
     ) -> None:
         self.hook, self.module, self.target, self._half = hook, module, target, half
+        self.expect_calls = expect_calls
+        self.when = when
+        self.calls = 0
         self._guards = guards
         self._wrapper: Any = None
         self._owner: Any = None
         self._method = ""
         self.state = "pending" if enabled else "disabled"
-        if enabled:
-            wrapt.register_post_import_hook(self._apply, module)
+
+    @property
+    def path(self) -> str:
+        return f"{self.module}:{self.target}"
+
+    @property
+    def watch_name(self) -> str | None:
+        """The name the liveness self-check watches this half under, or None."""
+        if isinstance(self.expect_calls, str):
+            return f"{self.hook}:{self.expect_calls}"
+        return self.hook if self.expect_calls else None
+
+    def install(self) -> None:
+        """Wrap the method when its module is imported (now, if it is)."""
+        if self.state != "pending":
+            return
+        if self.when is not None:
+            from guardrails.settings.targets import requirement_holds
+
+            if requirement_holds(self.when) is False:
+                self.state = "inapplicable"
+                return
+        wrapt.register_post_import_hook(self._apply, self.module)
+
+    def inspect(self) -> str | None:
+        """Import the module and find the method without wrapping it (`guardrails check`):
+        None when it resolves, else what is wrong. ImportError propagates."""
+        import importlib
+
+        module = importlib.import_module(self.module)
+        try:
+            self._resolve(module)
+        except AttributeError as exc:
+            return str(exc)
+        return None
+
+    def _resolve(self, module: Any) -> tuple[Any, str]:
+        owner_name, _, method = self.target.partition(".")
+        owner = getattr(module, owner_name, None)
+        if owner is None:
+            raise AttributeError(f"{module.__name__} has no attribute {owner_name!r}")
+        if not callable(getattr(owner, method, None)):
+            raise AttributeError(f"{module.__name__}.{self.target} is not a function")
+        return owner, method
 
     def _apply(self, module: Any) -> None:
         if self.state != "pending":
             return
         try:
-            owner_name, _, method = self.target.partition(".")
-            owner = getattr(module, owner_name)
-            if not callable(getattr(owner, method, None)):
-                raise AttributeError(f"{module.__name__}.{self.target} is not a function")
+            owner, method = self._resolve(module)
             wrapt.wrap_function_wrapper(owner, method, self._call)
             self._wrapper = owner.__dict__.get(method)
             self._owner, self._method = owner, method
             self.state = "applied"
         except Exception as exc:
             self.state = "error"
-            self._guards.attach_errors.record(
-                site=self.hook, target=f"{self.module}:{self.target}", error=exc
-            )
+            self._guards.attach_errors.record(site=self.hook, target=self.path, error=exc)
 
     def _call(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         if self.state != "applied":
             return wrapped(*args, **kwargs)
+        self.calls += 1
         return self._half(wrapped, instance, args, kwargs)
 
     def remove(self) -> None:
@@ -79,7 +133,7 @@ class MethodHook:
         self.state = "removed"
 
     def __repr__(self) -> str:
-        return f"<MethodHook {self.hook} {self.module}:{self.target} {self.state}>"
+        return f"<MethodHook {self.hook} {self.path} {self.state}>"
 
 
 class OnceLog:

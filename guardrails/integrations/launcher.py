@@ -23,6 +23,7 @@ engine's call goes on unguarded (see `guardrails.attach.patching`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -50,6 +51,13 @@ def prepare(
     env = dict(environ)
     if config_file is not None:
         env["GUARDRAILS_CONFIG_FILE"] = os.fspath(config_file)
+    raw = env.get("GUARDRAILS_CONFIG_FILE", "")
+    if raw.strip():
+        # Absolute, so that a child started in another directory (a supervisor's
+        # `directory=`, Ray workers, `sh -c 'cd ...'`) reads the same file. Not resolved:
+        # a symlinked ConfigMap mount keeps following its updates.
+        with contextlib.suppress(RuntimeError, ValueError):  # the settings say what is wrong
+            env["GUARDRAILS_CONFIG_FILE"] = str(Path(raw).expanduser().absolute())
     settings = GuardSettings(environ=env)
     entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     bootstrap = str(BOOTSTRAP_DIR)

@@ -81,9 +81,16 @@ def abort_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     enabled = guards.is_enabled(SITE) and bool(guards.settings.site_settings(SITE).abort_flags)
     sampler = _SamplerHalf(guards)
     scheduler = _SchedulerHalf()
-    hooks = [MethodHook(guards, HOOK, SAMPLER_MODULE, SAMPLER_TARGET, sampler, enabled)]
+    # Both run in the scheduler process at every sampling step (where the heartbeat,
+    # ModelRunner.sample, runs): each is watched by the liveness self-check, the two result
+    # processors as alternatives of one another.
+    hooks = [
+        MethodHook(
+            guards, HOOK, SAMPLER_MODULE, SAMPLER_TARGET, sampler, enabled, expect_calls=True
+        )
+    ]
     hooks += [
-        MethodHook(guards, HOOK, RESULTS_MODULE, target, scheduler, enabled)
+        MethodHook(guards, HOOK, RESULTS_MODULE, target, scheduler, enabled, expect_calls="results")
         for target in RESULTS_TARGETS
     ]
     return hooks

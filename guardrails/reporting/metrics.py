@@ -11,16 +11,20 @@ Contract (metric names and labels are fixed; see the design brief):
                                                                    device, reference, error
     guardrails_attach_errors_total{site, target, rank}     an attach point or hook whose
                                                            target does not resolve
+    guardrails_site_not_called{site, rank}                 gauge: 1 while an attached site
+                                                           (or hook) sees no call as the
+                                                           heartbeat runs (liveness)
 
 Constant labels (`[metrics.labels]`, GUARDRAILS_METRICS_LABELS: the engine's `model_name`,
 `engine`, `tp_rank`) are added to every family after these, so guardrails' series carry the
 same identifying labels as the engine's own on its /metrics endpoint.
 
-Plain `Counter`s incremented only by deltas, never a custom collector, so they work unchanged
-in prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`), where each process
-writes its own file and the host's `MultiProcessCollector` sums them. `prometheus_client` is
-imported here only inside functions: its multiprocess mode is fixed when it is first imported,
-which must be the host's choice, not a side effect of `import guardrails`.
+Plain `Counter`s incremented only by deltas (and one plain `Gauge`, set, in "livemax" mode),
+never a custom collector, so they work unchanged in prometheus-client's multiprocess mode
+(`PROMETHEUS_MULTIPROC_DIR`), where each process writes its own file and the host's
+`MultiProcessCollector` sums them. `prometheus_client` is imported here only inside
+functions: its multiprocess mode is fixed when it is first imported, which must be the host's
+choice, not a side effect of `import guardrails`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 from guardrails.flags import CountKind
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry, Counter
+    from prometheus_client import CollectorRegistry, Counter, Gauge
 
 __all__ = [
     "ERROR_STAGES",
@@ -103,19 +107,33 @@ _FAMILIES: Final = (
         ("site", "target", "rank"),
     ),
 )
-METRIC_NAMES: Final = tuple(f"{name}_total" for _attr, name, _help, _labels in _FAMILIES)
+# (attribute, name, help, labels): gauges, exported under their own name.
+_GAUGES: Final = (
+    (
+        "site_not_called",
+        "guardrails_site_not_called",
+        "1 while an attached site (or engine hook) sees no call as the heartbeat runs "
+        "liveness_steps times: it is on no path this engine runs.",
+        ("site", "rank"),
+    ),
+)
+METRIC_NAMES: Final = (
+    *(f"{name}_total" for _attr, name, _help, _labels in _FAMILIES),
+    *(name for _attr, name, _help, _labels in _GAUGES),
+)
 # Exported name -> label names: what dashboards and alert rules may select on.
 METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
-    f"{name}_total": labels for _attr, name, _help, labels in _FAMILIES
+    **{f"{name}_total": labels for _attr, name, _help, labels in _FAMILIES},
+    **{name: labels for _attr, name, _help, labels in _GAUGES},
 }
 
 
 class Family:
-    """One counter family with the instance's constant labels filled in at `.labels()`."""
+    """One metric family with the instance's constant labels filled in at `.labels()`."""
 
     __slots__ = ("_constant", "_counter")
 
-    def __init__(self, counter: Counter, constant: Mapping[str, str]) -> None:
+    def __init__(self, counter: Counter | Gauge, constant: Mapping[str, str]) -> None:
         self._counter = counter
         self._constant = dict(constant)
 
@@ -134,6 +152,7 @@ class GuardMetrics:
     reporting_errors: Family
     guard_errors: Family
     attach_errors: Family
+    site_not_called: Family
 
 
 # The families made for a registry are kept on the registry object itself (an attribute of
@@ -160,14 +179,18 @@ def guard_metrics(
     names = tuple(sorted(constant))
     with _LOCK:
         # (constant label names, counters by attribute): the names they were made with.
-        found: tuple[tuple[str, ...], dict[str, Counter]] | None = getattr(
+        found: tuple[tuple[str, ...], dict[str, Counter | Gauge]] | None = getattr(
             target, _FAMILIES_ATTR, None
         )
         if found is None:
-            counters = {
+            counters: dict[str, Counter | Gauge] = {
                 attr: _counter(target, name, text, (*labels, *names))
                 for attr, name, text, labels in _FAMILIES
             }
+            counters.update(
+                (attr, _gauge(target, name, text, (*labels, *names)))
+                for attr, name, text, labels in _GAUGES
+            )
             found = (names, counters)
             setattr(target, _FAMILIES_ATTR, found)
         made, counters = found
@@ -189,6 +212,20 @@ def _counter(registry: CollectorRegistry, name: str, text: str, labels: tuple[st
         raise ValueError(
             f"the registry already holds a metric named {name}_total that guardrails did not "
             f"register; guardrails needs that name for a Counter with labels {list(labels)}"
+        ) from None
+
+
+def _gauge(registry: CollectorRegistry, name: str, text: str, labels: tuple[str, ...]) -> Gauge:
+    from prometheus_client import Gauge
+
+    try:
+        # livemax: in multiprocess mode the value of the live processes (one per rank label),
+        # and a dead process's 1 goes when the host marks it dead.
+        return Gauge(name, text, labels, registry=registry, multiprocess_mode="livemax")
+    except ValueError:
+        raise ValueError(
+            f"the registry already holds a metric named {name} that guardrails did not "
+            f"register; guardrails needs that name for a Gauge with labels {list(labels)}"
         ) from None
 
 

@@ -51,6 +51,7 @@ from guardrails.names import (
     NONFINITE_EVENT,
     OOB_EVENT,
     REPORTING_ERROR_EVENT,
+    SITE_NOT_CALLED_EVENT,
     STARTED_EVENT,
 )
 from guardrails.reporting import exposition, metrics
@@ -62,7 +63,31 @@ if TYPE_CHECKING:
     from guardrails.reporting.mirror import DeviceCounts
     from guardrails.settings import GuardSettings
 
-__all__ = ["ReportedSite", "Reporter"]
+__all__ = ["Observation", "ReportedSite", "Reporter"]
+
+
+class _Watched(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def calls(self) -> int: ...
+    @property
+    def targets(self) -> tuple[str, ...]: ...
+    @property
+    def states(self) -> tuple[str, ...]: ...
+
+
+class Observation(Protocol):
+    """What `liveness()` reads of one watched site (`guardrails.attach.liveness`)."""
+
+    @property
+    def watched(self) -> _Watched: ...
+    @property
+    def silent(self) -> bool: ...
+    @property
+    def first(self) -> bool: ...
+    @property
+    def steps(self) -> int: ...
 
 
 class ReportedSite(Protocol):
@@ -294,6 +319,41 @@ class Reporter:
         Never waits: if another thread is reporting, that thread picks these counts up.
         """
         self._report_locked(exact=False, wait=False)
+
+    def liveness(self, observations: Sequence[Observation], heartbeat: str) -> None:
+        """A liveness window ended (`guardrails.attach.liveness`): set each watched site's
+        `guardrails_site_not_called` gauge, and warn once for each that went silent."""
+        outbox: list[_Event] = []
+        with self._lock:
+            rank = self._resolve_rank(outbox)
+            for seen in observations:
+                watched = seen.watched
+                try:
+                    child = self._metrics.site_not_called.labels(site=watched.name, rank=rank)
+                    child.set(1 if seen.silent else 0)
+                except Exception as exc:
+                    self._fault("metrics", exc, outbox)
+                if not seen.first:
+                    continue
+                outbox.append(
+                    (
+                        "warning",
+                        SITE_NOT_CALLED_EVENT,
+                        {
+                            "site": watched.name,
+                            "rank": rank,
+                            "heartbeat": heartbeat,
+                            "steps": seen.steps,
+                            "targets": list(watched.targets),
+                            "state": list(watched.states),
+                            "calls_total": watched.calls,
+                            "action": "the engine runs a path this site is not on: it guards "
+                            "nothing there. Check the profile against the runner this engine "
+                            "picked (guardrails check; docs/runbook.md)",
+                        },
+                    )
+                )
+        self._deliver(outbox)
 
     # -- public ---------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import RowFlag
-from guardrails.names import KNOWN_HOOKS, KNOWN_SITES, validate_site_name
+from guardrails.names import HOOK_ACTS_ON, KNOWN_HOOKS, KNOWN_SITES, validate_site_name
 from guardrails.settings.problems import closest, problems_from, site_hint
 from guardrails.settings.schema import field_meta, part, plain
 from guardrails.settings.sources import COLLECTOR, Collector, EnvSource, FileSource, InitSource
@@ -197,8 +197,21 @@ class SiteSettings(_Frozen):
             **field_meta("a site name", "the logits site whose row flags on_no_valid_token reads")
         ),
     ] = "sampler.logits"
+    # The liveness self-check (`heartbeat`): a site attached where the engine never calls it
+    # guards nothing, and says so. Unset: expected, except at `eagle.*` sites, which only run
+    # when speculative decoding is configured.
+    expect_calls: Annotated[
+        bool | None,
+        Field(
+            **field_meta(
+                _BOOL,
+                "report this attached site when the heartbeat runs liveness_steps times "
+                "without a call; unset: true, false for eagle.* sites",
+            )
+        ),
+    ] = None
 
-    @field_validator("sanitize", "async_assert", "count_neginf", mode="before")
+    @field_validator("sanitize", "async_assert", "count_neginf", "expect_calls", mode="before")
     @classmethod
     def _site_switch(cls, value: object) -> object:
         return _no_float_switch(value)
@@ -502,6 +515,28 @@ class GuardSettings(BaseSettings):
             )
         ),
     ] = ()
+    heartbeat: Annotated[
+        tuple[str, ...],
+        Field(
+            **field_meta(
+                "one target or a list of them (" + TARGET_SYNTAX + "), comma-separated in "
+                "the variable",
+                "a call every engine step passes; attached sites that see no call while it "
+                "runs liveness_steps times are reported (guardrails.site_not_called)",
+            )
+        ),
+    ] = ()
+    liveness_steps: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1_000_000_000,
+            **field_meta(
+                "an integer 1-1000000000",
+                "heartbeat calls after which an attached site never called is reported",
+            ),
+        ),
+    ] = 256
     reporting: ReportingSettings = ReportingSettings()
     metrics: MetricsSettings = MetricsSettings()
     sites: dict[str, SiteSettings] = Field(default_factory=dict)
@@ -550,6 +585,24 @@ class GuardSettings(BaseSettings):
     def _switch(cls, value: object) -> object:
         return _no_float_switch(value)
 
+    @field_validator("heartbeat", mode="before")
+    @classmethod
+    def _one_or_more_targets(cls, value: object) -> object:
+        # `heartbeat = "pkg.mod:Cls.meth"` in the file is one target, not a list of characters.
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("heartbeat")
+    @classmethod
+    def _heartbeat_syntax(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        for text in targets:
+            parse_target(text)
+        return tuple(dict.fromkeys(targets))
+
+    @field_validator("liveness_steps", mode="before")
+    @classmethod
+    def _steps_count(cls, value: object) -> object:
+        return _no_bool_count(value)
+
     @field_validator("sites")
     @classmethod
     def _site_names(cls, sites: dict[str, SiteSettings]) -> dict[str, SiteSettings]:
@@ -597,6 +650,36 @@ class GuardSettings(BaseSettings):
                 + closest(name, candidates),
                 accepted=site_hint(),
             )
+        if self.attach and not self.heartbeat:
+            yield Problem(
+                where(("heartbeat",)),
+                "no heartbeat: an [[attach]] point on a method this engine never calls would "
+                "guard nothing without a word",
+                accepted='heartbeat = "package.module:Class.method", a call every engine step '
+                "passes (the shipped profiles name one)",
+            )
+        for hook in self.hooks:
+            acted = [name for name in HOOK_ACTS_ON.get(hook, ()) if self.is_site_enabled(name)]
+            if not any(self.site_settings(name).abort_on for name in acted):
+                sites = ", ".join(f"sites.{_quoted(n)}" for n in HOOK_ACTS_ON.get(hook, ()))
+                yield Problem(
+                    where(("hooks",)),
+                    f"hook {hook} ends nothing: it acts on the abort_on of {sites or 'no site'}, "
+                    "which is empty or switched off",
+                    hook,
+                    accepted='abort_on = ["no_valid_token"] in that site table',
+                )
+        if not self.attach:
+            # A configuration for code (GuardLogitsProcessor reads abort_on itself); with
+            # [[attach]] points, `guardrails check` and the launcher make this an error.
+            for name in self.unacted_abort_sites():
+                yield Problem(
+                    where(("sites", name, "abort_on")),
+                    "no configured hook acts on it: under guardrails run it ends nothing "
+                    "(only GuardLogitsProcessor in code reads it)",
+                    plain(self.sites[name].abort_on),
+                    accepted="hooks = [...] naming one of " + _hooks_for(name),
+                )
         if self.metrics.port and not _is_loopback(self.metrics.addr):
             yield Problem(
                 where(("metrics", "addr")),
@@ -612,6 +695,16 @@ class GuardSettings(BaseSettings):
         return self._notices
 
     # -- derived views --------------------------------------------------------------------
+
+    def unacted_abort_sites(self) -> tuple[str, ...]:
+        """Enabled sites whose `abort_on` is set but that no configured hook acts on
+        (`guardrails.names.HOOK_ACTS_ON`): under `guardrails run` nothing ends their rows."""
+        acted = {name for hook in self.hooks for name in HOOK_ACTS_ON.get(hook, ())}
+        return tuple(
+            name
+            for name, table in self.sites.items()
+            if table.abort_on and name not in acted and self.is_site_enabled(name)
+        )
 
     def is_site_enabled(self, name: str) -> bool:
         """Whether the site `name` guards at all (master switch and both lists)."""
@@ -630,6 +723,9 @@ class GuardSettings(BaseSettings):
                 "async_assert": self.async_assert
                 if site.async_assert is None
                 else site.async_assert,
+                "expect_calls": not name.startswith("eagle.")
+                if site.expect_calls is None
+                else site.expect_calls,
             }
         )
 
@@ -650,6 +746,11 @@ class GuardSettings(BaseSettings):
 
 
 # -- checks that need several fields at once -----------------------------------------------
+
+
+def _hooks_for(site: str) -> str:
+    hooks = [hook for hook, sites in HOOK_ACTS_ON.items() if site in sites]
+    return ", ".join(sorted(hooks)) if hooks else "(none acts on this site)"
 
 
 def _quoted(name: str) -> str:

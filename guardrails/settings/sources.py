@@ -50,6 +50,8 @@ ENV_VARS: Mapping[str, EnvVar] = {
         EnvVar("GUARDRAILS_MIN_TEMPERATURE", ("min_temperature",)),
         EnvVar("GUARDRAILS_STRICT_ATTACH", ("strict_attach",)),
         EnvVar("GUARDRAILS_HOOKS", ("hooks",), is_list=True),
+        EnvVar("GUARDRAILS_HEARTBEAT", ("heartbeat",), is_list=True),
+        EnvVar("GUARDRAILS_LIVENESS_STEPS", ("liveness_steps",)),
         EnvVar("GUARDRAILS_LOG_INTERVAL_S", ("reporting", "log_interval_s")),
         EnvVar("GUARDRAILS_LOG_FORMAT", ("reporting", "log_format")),
         EnvVar("GUARDRAILS_REPORT_EVERY", ("reporting", "every_calls")),

@@ -23,6 +23,7 @@ __all__ = [
     "TARGET_SYNTAX",
     "Ref",
     "Target",
+    "imported_version",
     "installed_version",
     "parse_ref",
     "parse_requirement",
@@ -136,10 +137,29 @@ def installed_version(text: str) -> str | None:
         return None
 
 
-def requirement_holds(text: str) -> bool | None:
-    """Whether the installed distribution satisfies `text` (pre-releases count); None when
-    it is not installed."""
-    version = installed_version(text)
+def imported_version(text: str) -> str | None:
+    """`__version__` of the imported top-level module named like the distribution `text`
+    names (`vllm`, `sglang`): the version of an engine imported from a source checkout on
+    PYTHONPATH, which has no distribution metadata. None if not imported or not given."""
+    import sys
+
+    name = re.sub(r"[-_.]+", "_", parse_requirement(text).name).lower()
+    version = getattr(sys.modules.get(name), "__version__", None)
+    return version if isinstance(version, str) and version else None
+
+
+def requirement_holds(text: str, version: str | None = None) -> bool | None:
+    """Whether the installed distribution (or `version`) satisfies `text` (pre-releases
+    count); None when it is not installed and no version is given, or when the version is
+    not one in pip's grammar (nothing can be said of it)."""
+    if version is None:
+        version = installed_version(text)
     if version is None:
         return None
-    return parse_requirement(text).specifier.contains(version, prereleases=True)
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return None
+    return parse_requirement(text).specifier.contains(parsed, prereleases=True)

@@ -123,7 +123,9 @@ def test_a_vocabulary_the_replacement_id_does_not_fit_leaves_that_call_unguarded
         (f"torch=={TORCH}", "applied"),
         ("torch<0.1", "inapplicable"),
         ("torch>=999", "inapplicable"),
-        ("no-such-distribution-here>=1", "inapplicable"),
+        # Imported, yet no metadata and no __version__ to check it against: an error, never
+        # a point silently switched off (tests/attach/test_silent_cases.py).
+        ("no-such-distribution-here>=1", "failed"),
         (None, "applied"),
     ],
 )

@@ -97,6 +97,9 @@ ACCEPTED: dict[str, list[Any]] = {
     "eos_token_id": [2],
     "logits_site": ["sampler.logits", "custom.site"],
     "hooks": [[]],
+    "expect_calls": [True, False, "yes", "off"],
+    "heartbeat": ["pkg.mod:Cls.meth", ["a.b:c", "x.y:Z.w"], []],
+    "liveness_steps": [1, 256, 10**9],
 }
 REJECTED: dict[str, list[Any]] = {
     "enabled": [0.0, 1.0, 2, "", " false", "disable", "nein"],
@@ -125,6 +128,9 @@ REJECTED: dict[str, list[Any]] = {
     "eos_token_id": [-1, 0.5, True],
     "logits_site": ["bad name!", ""],
     "hooks": [["nope"], "x"],
+    "expect_calls": [0.0, "nope", 2],
+    "heartbeat": ["x", ["os:system('x')"], [1]],
+    "liveness_steps": [0, -1, 1.5, True, 10**10],
 }
 for _name in ("sanitize", "async_assert", "count_neginf", "strict_attach"):
     ACCEPTED[_name] = ACCEPTED["enabled"]
@@ -162,6 +168,8 @@ def documents(*, wild: bool) -> st.SearchStrategy[dict[str, Any]]:
     optional = {
         **{f: value_for(f, wild=wild) for f in (*SWITCHES, "enabled_sites", "disabled_sites")},
         "min_temperature": value_for("min_temperature", wild=wild),
+        "heartbeat": value_for("heartbeat", wild=wild),
+        "liveness_steps": value_for("liveness_steps", wild=wild),
         **{name: strategy | anything for name, strategy in tables.items()},
     }
     if wild:
@@ -324,6 +332,8 @@ ENV_ACCEPTED: dict[str, list[str]] = {
     "GUARDRAILS_CONFIG_FILE": [""],
     "GUARDRAILS_METRICS_LABELS": ["", "model_name=m", "model_name=m,engine=0"],
     "GUARDRAILS_HOOKS": [""],
+    "GUARDRAILS_HEARTBEAT": ["", "pkg.mod:Cls.meth", "a.b:c, x.y:Z.w"],
+    "GUARDRAILS_LIVENESS_STEPS": ["1", "256", "1000000000"],
 }
 ENV_REJECTED: dict[str, list[str]] = {
     "GUARDRAILS_ENABLED": ["", "2", "0.0", "disable", "nein"],
@@ -338,6 +348,8 @@ ENV_REJECTED: dict[str, list[str]] = {
     "GUARDRAILS_CONFIG_FILE": ["/nonexistent/guardrails.toml", ".", "/dev/null/x"],
     "GUARDRAILS_METRICS_LABELS": ["site=x", "model_name", "1x=y", "__a=b"],
     "GUARDRAILS_HOOKS": ["nope", "vllm."],
+    "GUARDRAILS_HEARTBEAT": ["x", "os:system('x')", "a.b:c,nope"],
+    "GUARDRAILS_LIVENESS_STEPS": ["0", "-1", "1.5", "true", "1e3"],
 }
 for _name in ("GUARDRAILS_SANITIZE", "GUARDRAILS_ASYNC_ASSERT", "GUARDRAILS_STRICT_ATTACH"):
     ENV_ACCEPTED[_name] = ENV_ACCEPTED["GUARDRAILS_ENABLED"]

@@ -163,7 +163,7 @@ def test_a_misspelt_site_section_is_a_notice_with_the_closest_name(tmp_path: Pat
 @pytest.mark.parametrize(
     ("extra", "env"),
     [
-        ('[[attach]]\nsite = "my.logits"\ntarget = "m:f"\n', {}),
+        ('[[attach]]\nsite = "my.logits"\ntarget = "m:f"\n', {"GUARDRAILS_HEARTBEAT": "m:g"}),
         ("", {"GUARDRAILS_SITES": "my.logits,sampler.*"}),
         ("", {"GUARDRAILS_DISABLED_SITES": "my.logits"}),
         ("", {"GUARDRAILS_SITES": "my.*"}),

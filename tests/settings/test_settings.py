@@ -45,6 +45,13 @@ GOOD_AND_BAD = {
     ),
     "GUARDRAILS_STRICT_ATTACH": ("on", ("strict_attach",), True, "2"),
     "GUARDRAILS_HOOKS": ("", ("hooks",), (), "no.such.hook"),
+    "GUARDRAILS_HEARTBEAT": (
+        "eng.model:Model.logits, eng.runner:step",
+        ("heartbeat",),
+        ("eng.model:Model.logits", "eng.runner:step"),
+        "eng.model.Model.logits",
+    ),
+    "GUARDRAILS_LIVENESS_STEPS": ("64", ("liveness_steps",), 64, "0"),
 }
 
 

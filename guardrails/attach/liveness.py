@@ -1,0 +1,167 @@
+"""The liveness self-check: a site attached where the engine never calls it guards nothing,
+and says so.
+
+    heartbeat = "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward"
+    liveness_steps = 256                         # GUARDRAILS_LIVENESS_STEPS
+
+Engines pick runners and modes at start-up, so an attach point that resolves proves nothing:
+it may sit on a method the chosen runner never calls. A heartbeat is a call every engine step
+passes whatever the engine picked (the shipped profiles name one per engine). Each of its
+calls is one beat: an integer increment, nothing else, and nothing is added to a guarded
+call. Every `liveness_steps` beats the monitor reads the call counts of what it watches (the
+sites keep them anyway) and reports each that had no call in that window:
+
+- watched: every enabled site named by an attach point that is not for another version and
+  not disabled, when its `expect_calls` is true (unset: true except at `eagle.*` sites), and
+  every engine-hook half made to be called at every step (pooled under the hook's name);
+- reported: warning event `guardrails.site_not_called` (site, heartbeat, steps, targets and
+  their states), once until it is called again, and the gauge
+  `guardrails_site_not_called{site, rank}` at 1; at the first window with a call it is 0.
+
+A process where the heartbeat never beats (an API server, a tokenizer process) reports
+nothing, so a multi-process engine is judged where it samples. Anything that fails in the
+check is contained: a heartbeat is the engine's own call and must go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from guardrails.attach.patching import ImportPatch, around
+from guardrails.attach.points import AttachError, AttachPoint
+from guardrails.attach.resolve import Resolved
+
+__all__ = ["HeartbeatHandle", "Liveness", "Observation", "Watched"]
+
+
+@dataclass(frozen=True)
+class Watched:
+    """Something that should be called at every step: a site, or an engine hook's halves."""
+
+    name: str  # the site's name, or the hook's
+    calls: int  # cumulative, as the site (or hook) counts them
+    targets: tuple[str, ...]  # the attach targets (or hook methods) that should call it
+    states: tuple[str, ...]  # their states: applied, pending, failed
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One watched thing at the end of a window of `steps` beats."""
+
+    watched: Watched
+    silent: bool  # no call in this window
+    first: bool  # silent now, called (or not yet watched) in the window before
+    steps: int  # beats since it was last seen called (or since watching began)
+
+
+class Liveness:
+    """Counts heartbeat calls and, every `steps` of them, hands what it watched to `report`.
+
+    `watched()` lists the watched things afresh at each check (points apply, fail and are
+    removed while the engine runs); `report(observations, heartbeat)` turns them into the
+    gauge and the event, and contains its own faults.
+    """
+
+    def __init__(
+        self,
+        *,
+        steps: int,
+        heartbeat: Sequence[str],
+        watched: Callable[[], Iterable[Watched]],
+        report: Callable[[Sequence[Observation], str], None],
+    ) -> None:
+        self.steps = steps
+        self.heartbeat = ", ".join(heartbeat)
+        self._watched = watched
+        self._report = report
+        self._beats = 0
+        self._due = steps
+        self._last: dict[str, tuple[int, int]] = {}  # name -> (calls, beat when last called)
+        self._silent: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def beats(self) -> int:
+        return self._beats
+
+    def beat(self) -> None:
+        """One heartbeat call. Not locked: a lost increment under a thread race delays a
+        check by one beat and costs nothing else."""
+        self._beats += 1
+        if self._beats >= self._due:
+            self._check()
+
+    def check(self) -> list[Observation]:
+        """Look now, whatever the count (tests, `close()`); returns what it reported."""
+        with self._lock:
+            observations = self._observe()
+        self._report(observations, self.heartbeat)
+        return observations
+
+    def _check(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            return  # another thread is checking this window
+        try:
+            if self._beats < self._due:
+                return
+            self._due = self._beats + self.steps
+            observations = self._observe()
+        except Exception:
+            observations = []  # a watched() that failed: the next window tries again
+        finally:
+            self._lock.release()
+        if observations:
+            # The report contains its own faults; this is the engine's call.
+            with contextlib.suppress(Exception):
+                self._report(observations, self.heartbeat)
+
+    def _observe(self) -> list[Observation]:
+        now = self._beats
+        out = []
+        for item in self._watched():
+            calls, since = self._last.get(item.name, (0, 0))
+            silent = item.calls <= calls
+            if not silent:
+                since = now
+            self._last[item.name] = (item.calls, since)
+            first = silent and item.name not in self._silent
+            if silent:
+                self._silent.add(item.name)
+            else:
+                self._silent.discard(item.name)
+            out.append(Observation(item, silent, first, now - since))
+        return out
+
+
+class HeartbeatHandle(ImportPatch):
+    """The heartbeat target, wrapped when its module is imported: each call is one beat,
+    then the engine's own call (an `async def` stays one)."""
+
+    def __init__(
+        self,
+        point: AttachPoint,
+        liveness: Liveness,
+        on_error: Callable[[AttachError], None] | None,
+        closed: Callable[[], bool],
+    ) -> None:
+        super().__init__(point, on_error, None, closed)
+        self._beat: list[Callable[[], None]] = [liveness.beat]
+
+    def _wrap(self, resolved: Resolved) -> Callable[..., Any]:
+        slot = self._beat
+
+        def beat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            slot[0]()
+
+        return around(resolved.func, before=beat)
+
+    def _stop(self) -> None:
+        self._beat[0] = _nothing
+
+
+def _nothing() -> None:
+    return None
