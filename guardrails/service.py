@@ -455,11 +455,16 @@ class Guardrails:
         return self.counts().get((site, str(kind)), 0)
 
     def close(self) -> None:
-        """Report everything still pending (exactly) and stop reporting. Idempotent."""
+        """Report everything still pending (exactly), stop reporting and remove the heartbeat
+        patches. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        # The heartbeat belongs to this instance's self-check: the engine's method goes back
+        # (or, wrapped since by someone else, stops beating).
+        for heartbeat in self._heartbeats:
+            heartbeat.remove()
         self._reporter.close()
         self._finalizer.detach()
 
@@ -517,6 +522,8 @@ def _after_fork_in_child() -> None:
     for guards in list(_instances):
         guards._lock = threading.Lock()
         guards._patches_lock = threading.RLock()
+        if guards._liveness is not None:
+            guards._liveness.after_fork_in_child()
 
 
 def default() -> Guardrails:

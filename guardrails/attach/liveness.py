@@ -88,6 +88,10 @@ class Liveness:
     def beats(self) -> int:
         return self._beats
 
+    def after_fork_in_child(self) -> None:
+        """A lock a parent's thread held at the fork would skip every check in the child."""
+        self._lock = threading.Lock()
+
     def beat(self) -> None:
         """One heartbeat call. Not locked: a lost increment under a thread race delays a
         check by one beat and costs nothing else."""

@@ -188,3 +188,51 @@ def test_a_missing_config_file_stops_the_launch(tmp_path: Path) -> None:
     proc = launch("true", config=tmp_path / "missing.toml")
     assert proc.returncode == 2
     assert "config file does not exist" in proc.stderr
+
+
+def _liveness_profile(tmp_path: Path, sampler: str) -> Path:
+    """An engine with two samplers, only `sample` called by `step`; the profile puts the
+    site on `sampler` and the heartbeat on `step`."""
+    (tmp_path / "lively_engine.py").write_text(
+        "def sample(logits):\n    return logits\n\n"
+        "def old_sample(logits):\n    return logits\n\n"
+        "def step(logits):\n    return sample(logits)\n",
+        encoding="utf-8",
+    )
+    config = tmp_path / "profile.toml"
+    config.write_text(
+        'heartbeat = "lively_engine:step"\nliveness_steps = 16\n\n'
+        f'[[attach]]\nsite = "sampler.logits"\ntarget = "lively_engine:{sampler}"\n'
+        'tensor = "arg:logits"\n',
+        encoding="utf-8",
+    )
+    return config
+
+
+_LIVELY_RUN = (
+    "import torch, lively_engine\n"
+    "for _ in range(40):\n"
+    "    lively_engine.step(torch.zeros(2, 8))\n"
+    "from prometheus_client import REGISTRY\n"
+    "print(REGISTRY.get_sample_value('guardrails_site_not_called',\n"
+    "    {'site': 'sampler.logits', 'rank': '0'}))\n"
+)
+
+
+def test_under_run_a_site_nobody_calls_is_reported(tmp_path: Path) -> None:
+    config = _liveness_profile(tmp_path, "old_sample")
+    proc = launch(PY, "-c", _LIVELY_RUN, env={"PYTHONPATH": str(tmp_path)}, config=config)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1.0"]
+    # Through the host's logging (stdlib's last resort, stderr): once, naming the target.
+    assert proc.stderr.count("guardrails.site_not_called") == 1
+    assert "site=sampler.logits" in proc.stderr
+    assert "lively_engine:old_sample" in proc.stderr
+
+
+def test_under_run_a_site_on_the_path_is_not_reported(tmp_path: Path) -> None:
+    config = _liveness_profile(tmp_path, "sample")
+    proc = launch(PY, "-c", _LIVELY_RUN, env={"PYTHONPATH": str(tmp_path)}, config=config)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0.0"]
+    assert "guardrails.site_not_called" not in proc.stderr

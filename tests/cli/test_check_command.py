@@ -100,3 +100,100 @@ def test_points_for_other_versions_are_listed_as_skipped(
     assert "skipped  sampler.logits <- transformers.generation.logits_process:" in out
     assert "for transformers<4.0; " in out
     assert "(2 attach points, 1 resolved, 0 not importable here, 1 for other versions" in out
+
+
+# -- the heartbeat, the hooks' halves, abort_on ------------------------------------------
+
+HEARTBEAT_OK = f"{LP}:LogitsProcessorList.__call__"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "guardrails.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_the_heartbeat_is_printed_and_resolved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, f'heartbeat = "{HEARTBEAT_OK}"\nliveness_steps = 64\n')
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "liveness      every 64 heartbeat calls" in out
+    assert f"heartbeat     ok       {HEARTBEAT_OK}" in out
+
+
+def test_a_heartbeat_that_does_not_resolve_fails_the_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, f'heartbeat = "{LP}:LogitsProcessorList.nope"\n')
+    assert main(["check", "--config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "heartbeat     error" in captured.out
+    assert f"{path}: heartbeat: {LP}:LogitsProcessorList.nope: " in captured.err
+    assert "has no attribute 'nope'" in captured.err
+
+
+def test_attach_points_without_a_heartbeat_are_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = config(tmp_path, entry(HEARTBEAT_OK))
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "warning  " in out
+    assert "no heartbeat: an [[attach]] point on a method this engine never calls" in out
+
+
+def test_abort_on_that_no_hook_acts_on_fails_a_profile_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(
+        tmp_path,
+        f'heartbeat = "{HEARTBEAT_OK}"\n[sites."sampler.logits"]\nabort_on = ["no_valid_token"]\n'
+        f"[[attach]]\n{entry(HEARTBEAT_OK)}",
+    )
+    assert main(["check", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f'{path}: sites."sampler.logits".abort_on' in err
+    assert "no configured hook acts on it" in err
+
+
+@pytest.fixture
+def broken_hook(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A hook whose runner half resolves and whose scheduler half's method is gone."""
+    import sys
+    from types import ModuleType
+
+    from guardrails.integrations._hooks import MethodHook
+    from guardrails.names import HOOK_ACTS_ON, KNOWN_HOOKS
+
+    def install(guards):  # type: ignore[no-untyped-def]
+        def half(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+            return wrapped(*args, **kwargs)
+
+        return [
+            MethodHook(guards, "test.hook", LP, "LogitsProcessorList.__call__", half),
+            MethodHook(guards, "test.hook", LP, "LogitsProcessorList.no_such_half", half),
+            MethodHook(guards, "test.hook", "no_such_engine.sched", "Scheduler.update", half),
+        ]
+
+    holder = ModuleType("check_hook_holder")
+    holder.install = install  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "check_hook_holder", holder)
+    monkeypatch.setitem(KNOWN_HOOKS, "test.hook", "check_hook_holder:install")  # type: ignore[index]
+    monkeypatch.setitem(HOOK_ACTS_ON, "test.hook", ())  # type: ignore[index]
+    return "test.hook"
+
+
+def test_every_half_of_a_hook_is_resolved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], broken_hook: str
+) -> None:
+    path = write(tmp_path, f'hooks = ["{broken_hook}"]\n')
+    assert main(["check", "--config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert f"hook half     ok       {LP}:LogitsProcessorList.__call__" in captured.out
+    assert f"hook test.hook: {LP}:LogitsProcessorList.no_such_half: " in captured.err
+    # A half whose engine module is not importable here: a warning, an error under --strict.
+    assert "no_such_engine.sched:Scheduler.update: not importable here" in captured.out
+    assert main(["check", "--strict", "--config", str(path)]) == 1
+    assert "hook test.hook: no_such_engine.sched:Scheduler.update" in capsys.readouterr().err
