@@ -6,15 +6,17 @@ graph. Under compilation a site therefore calls one of these `torch.library` cus
 instead, which the compiler keeps opaque (no graph break, `fullgraph=True` included):
 
     guardrails::guard_logits_(Tensor(a!) logits, str site) -> Tensor      # uint8 flags [rows]
-    guardrails::guard_token_ids_(Tensor(a!) token_ids, str site) -> Tensor
+    guardrails::guard_token_ids_(Tensor(a!) token_ids, str site, SymInt vocab_size) -> Tensor
 
 The op heals its tensor in place, exactly as the eager call does (its implementation *is* the
 eager call: the CPU fast path or the Triton kernel, with the site's counts and reporting),
 and returns a copy of the row flags: an op's output may not alias the site's buffers. `site`
 is the key a site got from `register()` at creation (a string: `dynamic=True` would trace an
-int argument as a symbol); the fake (meta) implementations check
-dtype and shape at trace time, so a bad tensor fails when the graph is traced, as it would in
-eager code.
+int argument as a symbol); the vocabulary a token-id call is checked against is an argument
+of the op (a symbol under `dynamic=True`, such as `logits.shape[-1]`), so a compiled
+`site(ids, vocab)` guards against the vocabulary it passes, as the eager call does. The fake
+(meta) implementations check dtype and shape at trace time, so a bad tensor fails when the
+graph is traced, as it would in eager code; a bad vocabulary fails when the op runs.
 
 Under a CUDA graph (`mode="reduce-overhead"`) the op's kernel is captured and replays with
 the graph: values, flags and device counts stay exact on every replay, while what runs in
@@ -28,11 +30,18 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
-__all__ = ["CompiledSite", "after_fork_in_child", "guard_logits_", "guard_token_ids_", "register"]
+__all__ = [
+    "CompiledSite",
+    "CompiledTokenSite",
+    "after_fork_in_child",
+    "guard_logits_",
+    "guard_token_ids_",
+    "register",
+]
 
 
 class CompiledSite(Protocol):
@@ -44,6 +53,12 @@ class CompiledSite(Protocol):
         """The number of row flags a call on `tensor` returns; raises what the call would
         for a bad tensor (TypeError for its dtype, ValueError for its shape)."""
         ...
+
+
+class CompiledTokenSite(CompiledSite, Protocol):
+    """A token-id site: its eager call takes the vocabulary to check against."""
+
+    def __call__(self, tensor: torch.Tensor, vocab_size: int | None = None, /) -> torch.Tensor: ...
 
 
 _SITES: dict[str, weakref.ref[CompiledSite]] = {}
@@ -96,11 +111,13 @@ def _guard_logits_fake(logits: torch.Tensor, site: str) -> torch.Tensor:
 
 
 @torch.library.custom_op("guardrails::guard_token_ids_", mutates_args=("token_ids",))
-def guard_token_ids_(token_ids: torch.Tensor, site: str) -> torch.Tensor:
-    """Guard `token_ids` in place at the token-id site `site`; returns its row flags."""
-    return _site(site)(token_ids).clone()
+def guard_token_ids_(token_ids: torch.Tensor, site: str, vocab_size: int) -> torch.Tensor:
+    """Guard `token_ids` in place against `[0, vocab_size)` at the token-id site `site`;
+    returns its row flags."""
+    token_site = cast(CompiledTokenSite, _site(site))
+    return token_site(token_ids, vocab_size).clone()
 
 
 @guard_token_ids_.register_fake
-def _guard_token_ids_fake(token_ids: torch.Tensor, site: str) -> torch.Tensor:
+def _guard_token_ids_fake(token_ids: torch.Tensor, site: str, vocab_size: int) -> torch.Tensor:
     return token_ids.new_empty((_site(site).rows_of(token_ids),), dtype=torch.uint8)

@@ -546,7 +546,16 @@ def _reset_default() -> Guardrails | None:
     return old
 
 
-def sanitize_logits_(logits: torch.Tensor, site: str = "sampler.logits") -> torch.Tensor | None:
-    """Guard `logits` in place at `site` of the default instance; a drop-in for SGLang's
-    `sanitize_nan_logits`. Returns the row flags, or None where the site is disabled."""
+def sanitize_logits_(
+    logits: torch.Tensor, msg: str = "", *, site: str = "sampler.logits"
+) -> torch.Tensor | None:
+    """Guard `logits` in place at `site` of the default instance. Returns the row flags, or
+    None where the site is disabled.
+
+    A drop-in for SGLang's `sanitize_nan_logits(logits, msg="")`, which its sampler calls as
+    `sanitize_nan_logits(logits, "sampler: next_token_logits")`: `msg` is that description
+    of the call, accepted and not used (guardrails' events and metrics name the site, which
+    is keyword-only so that a message is never taken for a site name)."""
+    if not isinstance(msg, str):
+        raise TypeError(f"guardrails: msg must be a str (SGLang's description), got {msg!r}")
     return default().site(site)(logits)

@@ -73,7 +73,7 @@ class _Buffers:
     """One thread's row flags on one device, and the kernel workspace that describes them
     (the CPU kernel's `extent`: how far these flags may hold non-zero bytes)."""
 
-    __slots__ = ("capacity", "flags", "recent", "recent_call", "views", "workspace")
+    __slots__ = ("capacity", "eos_seen", "flags", "recent", "recent_call", "views", "workspace")
     flags: torch.Tensor
     workspace: Any
 
@@ -83,6 +83,9 @@ class _Buffers:
         # `_SiteBase.recent`).
         self.recent: torch.Tensor | None = None
         self.recent_call = 0
+        # At a token site with on_no_valid_token = "eos": the number of the logits site's
+        # call whose rows this thread last ended, per thread like the logits site's `recent`.
+        self.eos_seen = 0
         self._allocate(device, capacity, kernel, None)
 
     def _allocate(
@@ -665,8 +668,8 @@ class TokenSite(_SiteBase):
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
             raise ValueError(f"guardrails token site {name!r}: vocab_size must be an int > 0")
         # on_no_valid_token = "eos": the logits site's `recent()`, whose NO_VALID_TOKEN rows
-        # get eos_token_id; the number of the call last used, so a step whose logits site
-        # did not run never reuses an older step's flags.
+        # get eos_token_id; the number of the call last used (per thread, in its buffers),
+        # so a step whose logits site did not run never reuses an older step's flags.
         self._eos: int | None = None
         if config.on_no_valid_token == "eos":
             if rows_from is None:
@@ -676,12 +679,14 @@ class TokenSite(_SiteBase):
                 )
             self._eos = config.eos_token_id
         self._rows_from = rows_from
-        self._rows_seen = 0
-        if config.replacement_id >= vocab_size:
-            raise ValueError(
-                f"guardrails token site {name!r}: replacement_id={config.replacement_id} is "
-                f"outside the vocabulary [0, {vocab_size})"
-            )
+        for key, value in (("replacement_id", config.replacement_id), ("eos_token_id", self._eos)):
+            # guardrails writes these ids itself: outside the vocabulary, the engine's
+            # embedding lookup would fail on them (a device-side assert on CUDA).
+            if value is not None and value >= vocab_size:
+                raise ValueError(
+                    f"guardrails token site {name!r}: {key}={value} is outside the "
+                    f"vocabulary [0, {vocab_size})"
+                )
         self.config = config
         self.vocab_size = vocab_size
         self._op_key = ops.register(self)  # how compiled code reaches this site
@@ -699,9 +704,12 @@ class TokenSite(_SiteBase):
         (an engine whose vocabulary is read at every call passes it; see attach)."""
         if getattr(token_ids, "dtype", None) not in _INTEGER_DTYPES:
             raise self._type_error(token_ids)
-        vocab = self.vocab_size if vocab_size is None else self._checked_vocab(vocab_size)
         if _compiling():
-            return torch.ops.guardrails.guard_token_ids_(token_ids, self._op_key)  # type: ignore[no-any-return]
+            # The vocabulary goes into the op (a symbol under dynamic shapes); the op's eager
+            # run checks it, as the line below does here.
+            vocab_arg = self.vocab_size if vocab_size is None else vocab_size
+            return torch.ops.guardrails.guard_token_ids_(token_ids, self._op_key, vocab_arg)  # type: ignore[no-any-return]
+        vocab = self.vocab_size if vocab_size is None else self._checked_vocab(vocab_size)
         try:
             plain = type(token_ids) is _TENSOR and token_ids.is_contiguous()
         except RuntimeError:
@@ -760,12 +768,16 @@ class TokenSite(_SiteBase):
                 f"{vocab_size!r}",
                 "reference",
             )
-        if self.config.replacement_id >= vocab_size:
-            raise TensorValueError(
-                f"guardrails token site {self.name!r}: replacement_id="
-                f"{self.config.replacement_id} is outside the vocabulary [0, {vocab_size})",
-                "reference",
-            )
+        for key, value in (
+            ("replacement_id", self.config.replacement_id),
+            ("eos_token_id", self._eos),
+        ):
+            if value is not None and value >= vocab_size:
+                raise TensorValueError(
+                    f"guardrails token site {self.name!r}: {key}={value} is outside the "
+                    f"vocabulary [0, {vocab_size}) of this call",
+                    "reference",
+                )
         return vocab_size
 
     def _guard(
@@ -789,28 +801,31 @@ class TokenSite(_SiteBase):
                 self._sanitize,
             )
             if self._eos is not None:
-                self._end_rows_with_eos(ids, rows, flags)
+                self._end_rows_with_eos(ids, rows, flags, buffers)
         else:
             flags.zero_()
         if self._assert_msg is not None:
             torch._assert_async(flags.eq(0).all(), self._assert_msg)
         return flags
 
-    def _end_rows_with_eos(self, ids: torch.Tensor, rows: int, flags: torch.Tensor) -> None:
-        """Rows the logits site flagged NO_VALID_TOKEN in this step get `eos_token_id`, and
-        that flag here too; branch-free, no synchronisation. Skipped when the logits site
-        has not run since the last step, or its rows are not these rows."""
+    def _end_rows_with_eos(
+        self, ids: torch.Tensor, rows: int, flags: torch.Tensor, buffers: _Buffers
+    ) -> None:
+        """Rows the logits site flagged NO_VALID_TOKEN in this thread's step get
+        `eos_token_id`, and that flag here too; branch-free, no synchronisation. Skipped when
+        the logits site has not run on this thread since its last step, or its rows are not
+        these rows."""
         assert self._rows_from is not None  # set with _eos
         assert self._eos is not None
         found = self._rows_from()
         if found is None:
             return
         call, logits_flags = found
-        if call <= self._rows_seen or logits_flags.numel() != rows:
+        if call <= buffers.eos_seen or logits_flags.numel() != rows:
             return
         if logits_flags.device != ids.device:
             return
-        self._rows_seen = call
+        buffers.eos_seen = call
         ended = logits_flags.bitwise_and(_NO_VALID_TOKEN)
         flags.bitwise_or_(ended)
         # One flag per id (0-d, 1-d ids) or per [..., k] slice: broadcast over the k ids.

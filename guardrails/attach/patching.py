@@ -212,6 +212,9 @@ class PatchOwner(Protocol):
 
     def token_site(self, name: str, *, vocab_size: int) -> SiteCall: ...
 
+    @property
+    def sites(self) -> dict[str, Any]: ...
+
 
 def _off(value: Any) -> None:
     return None
@@ -396,7 +399,12 @@ class PatchHandle(ImportPatch):
         if point.kind == "logits":
             self._guard[0] = self._guards.site(point.site)
         elif point.vocab_size is not None:
-            self._guard[0] = self._guards.token_site(point.site, vocab_size=point.vocab_size)
+            self._guard[0] = self._token_guard(point.vocab_size)
+            fixed = point.vocab_size
+
+            def read_vocab(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> int:
+                return fixed  # passed at every call: the site may be shared with other points
+
         self._guards.guard_errors.prepare(point.site)
         # In CI mode a site's assert must fail the process where the bad value is (on
         # the CPU it raises at once); every other error of the guard is contained.
@@ -409,9 +417,12 @@ class PatchHandle(ImportPatch):
         self._guard[0] = _off
 
     def _token_guard(self, vocab: int) -> Guard:
-        """The token-id site, made at the first call (sized from its `vocab_size_from`
-        value; every call passes its own)."""
-        site = self._guards.token_site(self.point.site, vocab_size=vocab)
+        """The token-id site: the one of this name if another point (or code) made it, else
+        made now, sized from `vocab`. Every call passes its own vocabulary, so points whose
+        vocabularies differ share the site and each is checked against its own."""
+        site = self._guards.sites.get(self.point.site)
+        if site is None or getattr(site, "kind", None) != "token_ids":
+            site = self._guards.token_site(self.point.site, vocab_size=vocab)
         current = self._guard[0]
         if current is None:
             self._guard[0] = site

@@ -315,3 +315,44 @@ def test_reduce_overhead_on_cuda_replays_the_kernel_with_exact_device_counts() -
     assert compiled_counts == eager_counts
     # Calls are counted where the op runs in Python: not on graph replays.
     assert 1 <= compiled_guards.count("sampler.logits", "calls") <= 12
+
+
+@pytest.mark.parametrize(("site_vocab", "call_vocab"), [(1000, 100), (100, 1000)])
+@pytest.mark.parametrize("options", [{}, {"fullgraph": True, "dynamic": True}])
+def test_a_compiled_token_call_guards_against_the_vocabulary_it_passes(
+    site_vocab: int, call_vocab: int, options: dict[str, bool]
+) -> None:
+    # Every `vocab_size_from` patch passes the vocabulary per call (issue 21, defect 1).
+    compiled_guards, eager_guards = _pair()
+    site = compiled_guards.token_site("sampler.token_ids", vocab_size=site_vocab)
+    eager_site = eager_guards.token_site("sampler.token_ids", vocab_size=site_vocab)
+
+    def step(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return site(ids, logits.shape[-1])
+
+    compiled = torch.compile(step, **options)
+    ids = torch.tensor([5, 150, 999])
+    flags = compiled(ids, torch.zeros(3, call_vocab))
+    expected = torch.tensor([5, 150, 999])
+    assert torch.equal(flags, eager_site(expected, call_vocab).clone())
+    assert torch.equal(ids, expected)
+    if call_vocab == 100:
+        assert ids.tolist() == [5, 0, 0]  # 150 and 999 are outside [0, 100)
+    else:
+        assert ids.tolist() == [5, 150, 999]  # all valid in [0, 1000)
+    _same_counts(compiled_guards, eager_guards)
+
+
+@pytest.mark.parametrize("op", ["logits", "token_ids"])
+def test_the_ops_pass_torch_library_opcheck(op: str) -> None:
+    from guardrails import ops
+
+    guards = fresh_guardrails()
+    if op == "logits":
+        key = guards.site("sampler.logits")._op_key
+        x = torch.randn(4, 16)
+        x[1, 3] = math.nan
+        torch.library.opcheck(ops.guard_logits_, (x, key))
+    else:
+        key = guards.token_site("sampler.token_ids", vocab_size=16)._op_key
+        torch.library.opcheck(ops.guard_token_ids_, (torch.tensor([1, 40, 3]), key, 16))
