@@ -42,7 +42,7 @@ from guardrails.kernels.select import select_logits_kernel
 from guardrails.kernels.token_ids import guard_token_ids_
 from guardrails.kernels.values import posinf_replacement
 from guardrails.names import validate_site_name
-from guardrails.reporting.mirror import DeviceCounts
+from guardrails.reporting.mirror import DeviceCounts, capturing_on
 
 if TYPE_CHECKING:
     from guardrails.reporting.reporter import Reporter
@@ -170,6 +170,10 @@ class _DeviceState:
         buffers = self.buffers.get(key)
         if buffers is None:
             buffers = self.buffers[key] = self._new_buffers(key, site)
+        if self.streams and not self.spare and not self.capturing():
+            # Keep one spare ready on CUDA, made here outside any capture: the next capture
+            # on a new stream takes it instead of being refused.
+            self.spare.append(_Buffers(self.device, self.capacity, self.kernel))
         self.last = buffers
         self.owner = key
         return buffers
@@ -184,15 +188,16 @@ class _DeviceState:
                 buffers._allocate(self.device, self.capacity, self.kernel, self.retired)
             return buffers
         if capturing:
-            # A capture on a stream this thread has not called on: its buffers of another
-            # stream, which the graph's replays then share with that stream's calls.
-            thread = _thread_of(key)
-            if self.owner is not None and _thread_of(self.owner) == thread:
-                return self.last
-            for other, buffers in self.buffers.items():
-                if _thread_of(other) == thread:
-                    return buffers
-            self._capture_check(site, self.capacity)
+            # A capture on a stream this thread has not called on (torch.cuda.graph's side
+            # stream) and no spare left: sharing another stream's buffers would let the
+            # graph's replays race that stream's eager calls on the Triton kernel's per-row
+            # words, and allocating would be recorded into the graph.
+            raise RuntimeError(
+                f"guardrails site {site!r}: a CUDA-graph capture on a stream this thread has "
+                f"not called on, on {self.device}, and no spare buffers are left for it; call "
+                "site.reserve(rows, device) (or make one eager call) in the capturing thread "
+                "before each capture on a new stream"
+            )
         return _Buffers(self.device, self.capacity, self.kernel)
 
     def _reclaim(self) -> None:
@@ -207,8 +212,8 @@ class _DeviceState:
             self.owner = None
 
     def capturing(self) -> bool:
-        """Whether the caller's current stream is capturing a CUDA graph."""
-        return self.streams and torch.cuda.is_current_stream_capturing()
+        """Whether the caller's current stream of this state's device is capturing."""
+        return self.streams and capturing_on(self.device)
 
     def _capture_check(self, site: str, rows: int) -> None:
         if self.capturing():
@@ -304,7 +309,7 @@ class _SiteBase:
             state = self._states.get(device)
             kernel = self._kernel(device)
             if state is None:
-                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                if capturing_on(device):
                     # Its allocations and zero-fills would be recorded into the graph: the
                     # counts would be re-zeroed on every replay.
                     raise RuntimeError(
@@ -322,29 +327,37 @@ class _SiteBase:
 
     def recent(self, device: torch.device | str | None = None) -> tuple[int, torch.Tensor] | None:
         """`(call number, row flags)` of this site's latest call on the calling thread (on
-        `device`, default: the device used last; on any of its streams), or None before one.
+        `device`, default: on any device; on any of its streams), or None before one.
 
         The flags are a view of the thread's buffer, valid until the site's next call on
         this thread (and that stream); call numbers grow, so a reader can tell a new call
         from one it has seen. Reading them never synchronises: the values are whatever the
         device has written by the time the reader's own device work runs (stream order)."""
-        state = (
-            self._state if device is None else self._states.get(_normalise(torch.device(device)))
-        )
-        if state is None:
-            return None
-        thread = _get_ident()
-        if not state.streams:
-            buffers = state.buffers.get(thread)
+        if device is None:
+            # This thread's latest call on any device: the device any thread used last may
+            # not be this thread's (two engine workers in one process, one GPU each).
+            states = list(self._states.values())
         else:
-            # Not only the current stream's: an engine hook may read outside the stream
-            # context its sampler ran in.
-            with self._lock:
-                mine = [b for k, b in state.buffers.items() if _thread_of(k) == thread]
-            buffers = max(mine, key=lambda b: b.recent_call, default=None)
-        if buffers is None or buffers.recent is None:
+            found = self._states.get(_normalise(torch.device(device)))
+            states = [] if found is None else [found]
+        thread = _get_ident()
+        latest: _Buffers | None = None
+        for state in states:
+            if not state.streams:
+                mine = [] if (b := state.buffers.get(thread)) is None else [b]
+            else:
+                # Not only the current stream's: an engine hook may read outside the stream
+                # context its sampler ran in.
+                with self._lock:
+                    mine = [b for k, b in state.buffers.items() if _thread_of(k) == thread]
+            for buffers in mine:
+                if buffers.recent is not None and (
+                    latest is None or buffers.recent_call > latest.recent_call
+                ):
+                    latest = buffers
+        if latest is None or latest.recent is None:
             return None
-        return buffers.recent_call, buffers.recent
+        return latest.recent_call, latest.recent
 
     def recent_flags(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         """The row flags of this site's latest call on the calling thread, or None."""

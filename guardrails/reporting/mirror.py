@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["DeviceCounts", "outside_captures"]
+__all__ = ["DeviceCounts", "capturing_on", "outside_captures"]
 
 _THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
 _exchange: Callable[[ctypes.c_int], int] | None = None
@@ -68,6 +68,20 @@ def outside_captures() -> Iterator[None]:
         exchange(mode)  # `mode` now holds the previous one
 
 
+def capturing_on(device: torch.device) -> bool:
+    """Whether the calling thread's current stream *of `device`* is capturing a CUDA graph.
+
+    `torch.cuda.is_current_stream_capturing()` asks about the current device only: a site on
+    cuda:1 called while cuda:0 is current would otherwise be judged by cuda:0's stream."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(index):
+        return torch.cuda.is_current_stream_capturing()
+
+
 class DeviceCounts:
     """One site's counters on one device, and their host mirror.
 
@@ -98,10 +112,11 @@ class DeviceCounts:
         """Start a copy of the device counts to the host unless one is in flight."""
         if self._event is None or self._pending:
             return
-        if torch.cuda.is_current_stream_capturing():
-            return  # a copy recorded into a graph would replay forever; count on replay only
         # On the counts' device, whichever device is current in the calling thread.
         with outside_captures(), torch.cuda.device(self.device):
+            if torch.cuda.is_current_stream_capturing():
+                # A copy recorded into a graph would replay forever; count on replay only.
+                return
             self._mirror.copy_(self.counts, non_blocking=True)
             self._event.record()
         self._pending = True
@@ -121,8 +136,14 @@ class DeviceCounts:
     def exact(self) -> list[int]:
         """The current totals, waiting for the device (tests, `counts()`, shutdown)."""
         if self._event is not None:
-            # Every stream of the device: calls on a side stream count too.
-            torch.cuda.synchronize(self.device)
+            # Every stream of the device: calls on a side stream count too. Thread-local
+            # capture mode: from flush/close/counts, the finalizer or atexit, a synchronize
+            # while another thread captures in global mode would invalidate that capture.
+            with outside_captures():
+                torch.cuda.synchronize(self.device)
+                values = [int(v) for v in self.counts.tolist()]
+            self._last = values
+            return values
         values = [int(v) for v in self.counts.tolist()]
         self._last = values
         return values

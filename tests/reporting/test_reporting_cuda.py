@@ -132,3 +132,44 @@ def test_polls_from_another_thread_leave_a_global_mode_capture_intact() -> None:
     torch.cuda.synchronize()
     guards.close()
     assert nan_count(registry) == 6
+
+
+def test_exact_counts_from_another_thread_leave_a_global_mode_capture_intact() -> None:
+    # counts() / flush() / close() wait for the device (DeviceCounts.exact): from a thread
+    # other than the capturing one, in thread-local capture mode (issue 21, defect 7).
+    import threading
+
+    pytest.importorskip("triton")
+    registry = CollectorRegistry()
+    guards = fresh_guardrails(registry=registry, reporting={"every_calls": 1_000_000})
+    site = guards.site(LOGITS, device="cuda", capacity=4)
+    static = torch.randn(4, 2048, device="cuda")
+    site(static.clone())
+    torch.cuda.synchronize()
+    inside, counted = threading.Event(), threading.Event()
+    failures: list[BaseException] = []
+
+    def counter() -> None:
+        try:
+            inside.wait(10)
+            guards.counts()
+        except BaseException as exc:  # reported below, not lost in the thread
+            failures.append(exc)
+        finally:
+            counted.set()
+
+    thread = threading.Thread(target=counter)
+    thread.start()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="global"):
+        site(static)
+        inside.set()
+        assert counted.wait(10)
+    thread.join()
+    assert not failures
+    static[1, :2] = math.nan
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    guards.close()
+    assert nan_count(registry) == 6

@@ -55,7 +55,7 @@ class _Streams:
         state.streams = True
         self.state = state
         monkeypatch.setattr(sites, "_cuda_stream_id", lambda index: self.stream)
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+        monkeypatch.setattr(sites, "capturing_on", lambda device: self.capturing)
 
 
 @pytest.fixture
@@ -97,22 +97,28 @@ def test_each_stream_of_a_thread_gets_its_own_flags_and_kernel_workspace(
     assert found[1].data_ptr() == flags_1.data_ptr()
 
 
-def test_a_capture_on_a_new_stream_takes_a_reserved_spare_else_shares_the_threads_buffers(
+def test_a_capture_on_a_new_stream_takes_the_spare_the_eager_calls_keep_ready(
     streamed: tuple[sites.LogitsSite, _Streams],
 ) -> None:
     site, streams = streamed
-    eager = site(torch.randn(4, 32))  # takes the spare made with the state
+    eager = site(torch.randn(4, 32))  # takes the spare made with the state, makes another
     state = streams.state
-    assert not state.spare
-    # torch.cuda.graph captures on a side stream: nothing may be allocated there.
+    assert len(state.spare) == 1
+    # torch.cuda.graph captures on a side stream: nothing may be allocated there, and it gets
+    # buffers of its own, never those of stream 1 (its replays would race stream 1's calls
+    # on the Triton kernel's per-row words).
     streams.stream, streams.capturing = 2, True
     captured = site(torch.randn(4, 32))
-    assert captured.data_ptr() == eager.data_ptr()
+    assert captured.data_ptr() != eager.data_ptr()
     assert len(state.buffers) == 2
-    assert not state.spare
-    # After reserve() in the capturing thread, a capture on a third stream gets its own.
+    assert not state.spare  # not replaced inside the capture
+    # A second capture on a new stream before any eager call: refused, naming reserve().
+    streams.stream = 3
+    with pytest.raises(RuntimeError, match=r"no spare buffers are left.*site\.reserve"):
+        site(torch.randn(4, 32))
+    # The next eager call (back on stream 1) makes a spare again, outside any capture.
     streams.stream, streams.capturing = 1, False
-    site.reserve(8, "cpu")
+    site(torch.randn(4, 32))
     assert len(state.spare) == 1
     streams.stream, streams.capturing = 3, True
     own = site(torch.randn(4, 32))
@@ -122,7 +128,7 @@ def test_a_capture_on_a_new_stream_takes_a_reserved_spare_else_shares_the_thread
         site(torch.randn(9, 32))
 
 
-def test_buffers_a_capture_shared_are_reclaimed_once_when_their_thread_ends(
+def test_buffers_of_an_ended_thread_become_spares_once(
     streamed: tuple[sites.LogitsSite, _Streams],
 ) -> None:
     import threading
@@ -134,17 +140,36 @@ def test_buffers_a_capture_shared_are_reclaimed_once_when_their_thread_ends(
         streams.stream, streams.capturing = 5, False
         site(torch.randn(2, 16))
         streams.stream, streams.capturing = 6, True
-        site(torch.randn(2, 16))  # shares stream 5's buffers
+        site(torch.randn(2, 16))  # a capture: takes the spare stream 5's call left ready
         streams.stream, streams.capturing = 1, False
 
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join()
     state = streams.state
-    assert len(state.buffers) == 3  # main, and the worker's two keys on one set of buffers
+    assert len(state.buffers) == 3  # main, and the worker's two streams
+    distinct = {id(b) for b in state.buffers.values()}
+    assert len(distinct) == 3  # no two keys share buffers
     state._reclaim()
     assert len(state.buffers) == 1
-    assert len(state.spare) == 1, "the shared buffers are one spare, not two"
+    assert len(state.spare) == 2, "the worker's two sets of buffers, each once"
+
+
+def test_recent_is_the_calling_threads_latest_call_on_any_device() -> None:
+    site = fresh_guardrails().site(SITE)
+    assert isinstance(site, sites.LogitsSite)
+    dirty = torch.randn(2, 8)
+    dirty[1, 0] = math.nan
+    site(dirty)
+    # Another thread used another device last (two workers, one GPU each): a state of its
+    # own becomes the site's most recent one. This thread's latest call is still found.
+    other = sites._DeviceState(torch.device("cpu", 1), 2, len(site.slots), None)
+    site._states[torch.device("cpu", 1)] = other
+    site._state = other
+    found = site.recent()
+    assert found is not None
+    assert found[0] == 1
+    assert found[1].tolist() == [0, int(RowFlag.NAN)]
 
 
 needs_cuda = pytest.mark.cuda
