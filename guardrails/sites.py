@@ -825,9 +825,9 @@ class TokenSite(_SiteBase):
         self, ids: torch.Tensor, rows: int, flags: torch.Tensor, buffers: _Buffers
     ) -> None:
         """Rows the logits site flagged NO_VALID_TOKEN in this thread's step get
-        `eos_token_id`, and that flag here too; branch-free, no synchronisation. Skipped when
-        the logits site has not run on this thread since its last step, or its rows are not
-        these rows."""
+        `eos_token_id` in their last id (the one sampled in this step), and that flag here
+        too; branch-free, no synchronisation. Skipped when the logits site has not run on
+        this thread since its last step, or its rows are not these rows."""
         assert self._rows_from is not None  # set with _eos
         assert self._eos is not None
         found = self._rows_from()
@@ -841,9 +841,14 @@ class TokenSite(_SiteBase):
         buffers.eos_seen = call
         ended = logits_flags.bitwise_and(_NO_VALID_TOKEN)
         flags.bitwise_or_(ended)
-        # One flag per id (0-d, 1-d ids) or per [..., k] slice: broadcast over the k ids.
-        shape = (*ids.shape[:-1], 1) if ids.dim() >= 2 else ids.shape
-        ids.masked_fill_(ended.bool().reshape(shape), self._eos)
+        if ids.dim() >= 2:
+            # One flag per [..., k] slice, whose id sampled in this step is the last: the ones
+            # before it are history (transformers' input_ids: the prompt and the tokens
+            # generated so far), never rewritten.
+            last = ids.narrow(-1, ids.shape[-1] - 1, 1)
+            last.masked_fill_(ended.bool().reshape(last.shape), self._eos)
+        else:
+            ids.masked_fill_(ended.bool().reshape(ids.shape), self._eos)
 
     def _type_error(self, ids: object) -> TensorTypeError:
         if not isinstance(ids, torch.Tensor):

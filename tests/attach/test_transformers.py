@@ -38,6 +38,8 @@ from tests.attach.tiny_gpt2 import (  # noqa: E402
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+LOGITS_LIST = "transformers.generation.logits_process:LogitsProcessorList"
+STOPPING_LIST = "transformers.generation.stopping_criteria:StoppingCriteriaList"
 PROFILE = ROOT / "config" / "profiles" / "transformers.toml"
 
 
@@ -177,6 +179,41 @@ def test_abort_policy_first_met_inside_a_capture_is_refused_and_replays_after_on
 def test_heal_policy_is_the_default() -> None:
     guard = GuardLogitsProcessor(fresh_guardrails())
     assert guard.abort_flags == 0
+
+
+def test_eos_at_stopping_criteria_ends_the_poisoned_row_and_keeps_its_prompt(
+    poisoned: Any, clean_greedy: torch.Tensor
+) -> None:
+    # The token site at StoppingCriteriaList.__call__ sees the whole input_ids [batch, prompt +
+    # generated]: only the id sampled in this step may become EOS (it once rewrote the row).
+    guards = fresh_guardrails(
+        attach=[
+            {"site": "sampler.logits", "target": f"{LOGITS_LIST}.__call__", "tensor": "return"},
+            {
+                "site": "sampler.token_ids",
+                "kind": "token_ids",
+                "target": f"{STOPPING_LIST}.__call__",
+                "tensor": "arg:input_ids",
+                "vocab_size": VOCAB,
+            },
+        ],
+        sites={"sampler.token_ids": {"on_no_valid_token": "eos", "eos_token_id": EOS}},
+    )
+    guards.attach_configured(on_error=_raise)
+    try:
+        out = generate(poisoned, do_sample=True)
+    finally:
+        guards.close()
+    assert torch.equal(out[:, :5], prompts())  # every prompt intact, the poisoned one too
+    # Ended at its first step; its logits stay NaN, so the pad of each later step is the
+    # step's sampled id and becomes EOS again.
+    assert out[POISONED, 5:].tolist() == [EOS] * NEW_TOKENS
+    others = [row for row in range(3) if row != POISONED]
+    assert out[others].shape == clean_greedy[others].shape
+
+
+def _raise(exc: Exception) -> None:
+    raise exc
 
 
 # -- the same client under `guardrails run` + config/profiles/transformers.toml -------------
