@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: demo test lint typecheck pytest bench docs reliability engines install clean
+.PHONY: demo test lint typecheck pytest bench docs reliability engines e2e install clean
 
 # pip's own progress is shown: on a fresh clone the torch download alone takes minutes.
 $(STAMP): pyproject.toml .ci/constraints.txt
@@ -54,5 +54,10 @@ reliability: $(STAMP)
 engines: $(STAMP)
 	bash .ci/engines/run.sh
 
+# A real `transformers serve` (both modes) under `guardrails run`, driven by the openai client
+# over 127.0.0.1, in its own venv .e2e/ (pinned: .ci/e2e/requirements.txt). See tests/e2e/.
+e2e:
+	bash .ci/e2e/run.sh
+
 clean:
-	rm -rf $(VENV) .engines .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .engines .e2e .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -50,6 +50,13 @@ KNOWN_HOOKS: Final[Mapping[str, str]] = {
     # SGLang: end a request whose sampler.logits row matches abort_on through SGLang's own
     # FINISH_ABORT (HTTP 503), its KV kept out of the prefix cache.
     "sglang.abort_poisoned_requests": "guardrails.integrations.sglang:abort_poisoned_requests",
+    # transformers (`generate()`, `transformers serve` in both modes): end a request whose
+    # sampler.logits row matches abort_on with transformers' own error (HTTP 500, a stream's
+    # error event); in continuous batching its non-finite keys/values are zeroed before the
+    # batch's shared attention reads them, so the requests batched with it stay clean.
+    "transformers.end_poisoned_requests": (
+        "guardrails.integrations.transformers_hooks:end_poisoned_requests"
+    ),
 }
 
 # The sites whose `abort_on` each hook acts on. A site whose `abort_on` no configured hook

@@ -40,8 +40,11 @@ else:
 HAS_CUDA = torch.cuda.is_available()
 
 # The real-engine suites run only inside their engines' venvs (`make engines` sets
-# ENGINE_SUITE); `make test` never collects them.
+# ENGINE_SUITE), the real-server suite only in its own (`make e2e` sets E2E_SUITE); `make test`
+# collects neither.
 collect_ignore_glob = [] if os.environ.get("ENGINE_SUITE") else ["engines/*"]
+if not os.environ.get("E2E_SUITE"):
+    collect_ignore_glob.append("e2e/*")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -20,8 +20,8 @@ def settings_of(path: Path) -> GuardSettings:
     return GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(path)})
 
 
-def test_the_three_engine_profiles_exist() -> None:
-    assert [p.stem for p in ALL] == ["sglang", "transformers", "vllm"]
+def test_the_engine_profiles_exist() -> None:
+    assert [p.stem for p in ALL] == ["sglang", "transformers-serve", "transformers", "vllm"]
 
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: p.stem)
@@ -33,7 +33,7 @@ def test_a_profile_parses_as_a_config_file_with_attach_points(path: Path) -> Non
 def test_every_target_names_a_module_path_of_its_engine_and_a_qualified_name(path: Path) -> None:
     for entry in settings_of(path).attach:
         target = parse_target(entry.target)
-        assert target.module.split(".")[0] == path.stem
+        assert target.module.split(".")[0] == path.stem.split("-")[0]  # transformers-serve
         assert len(target.module.split(".")) >= 2
         assert target.qualname
 
@@ -55,6 +55,7 @@ def test_a_profile_says_what_it_was_checked_against(path: Path) -> None:
         ("sglang", {"sampler.logits", "eagle.verify", "sampler.token_ids"}),
         ("vllm", {"sampler.logits", "sampler.token_ids"}),
         ("transformers", {"sampler.logits"}),
+        ("transformers-serve", {"sampler.logits"}),
     ],
 )
 def test_a_profile_guards_its_engines_sampling_sites(stem: str, sites: set[str]) -> None:
@@ -62,8 +63,9 @@ def test_a_profile_guards_its_engines_sampling_sites(stem: str, sites: set[str])
     assert sites <= declared
 
 
-def test_the_transformers_profile_resolves_against_the_installed_transformers() -> None:
+@pytest.mark.parametrize("stem", ["transformers", "transformers-serve"])
+def test_the_transformers_profiles_resolve_against_the_installed_transformers(stem: str) -> None:
     pytest.importorskip("transformers")
-    for entry in settings_of(PROFILES / "transformers.toml").attach:
+    for entry in settings_of(PROFILES / f"{stem}.toml").attach:
         report = inspect_point(AttachPoint.from_settings(entry))
         assert report.status == "ok", report.message

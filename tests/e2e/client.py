@@ -1,0 +1,149 @@
+"""The openai client against a `Server`, with what each request ended as.
+
+Every request has a timeout and is never retried (the openai client retries 5xx answers
+twice by default: a poisoned request would be sent three times).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests import tiny_llama
+from tests.e2e.server import Server
+
+REQUEST_TIMEOUT_S = 60.0
+CLEAN = ("kalo mipe rita", "nuso veta bogi", "fegi dara kami")
+POISONED = ("kalo quasar rita", "zuve quasar nuri")  # the trigger in the prompt
+GREEDY, SAMPLED = 0.0, 1.0
+
+
+@dataclass
+class Outcome:
+    """What a client saw: the text, the finish reason, or the error the client raised."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    error: openai.APIError | None = None
+    chunks_after_error: int = 0
+    content_chunks: int = 0
+    started: threading.Event = field(default_factory=threading.Event)
+    ended_at: float = 0.0
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=REQUEST_TIMEOUT_S,
+    )
+
+
+def _count(server: Server, text: str) -> None:
+    if tiny_llama.TRIGGER in text:
+        server.poisoned_sent = getattr(server, "poisoned_sent", 0) + 1  # type: ignore[attr-defined]
+
+
+def chat(server: Server, text: str, temperature: float, max_tokens: int = 12) -> Outcome:
+    _count(server, text)
+    outcome = Outcome()
+    try:
+        reply = client(server).chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=max_tokens,
+            temperature=temperature,
+        )
+        choice = reply.choices[0]
+        outcome.text, outcome.finish_reason = choice.message.content or "", choice.finish_reason
+    except openai.APIError as exc:
+        outcome.error = exc
+    outcome.ended_at = time.monotonic()
+    return outcome
+
+
+def stream(
+    server: Server, text: str, temperature: float, max_tokens: int = 12, outcome: Any = None
+) -> Outcome:
+    _count(server, text)
+    outcome = outcome or Outcome()
+    try:
+        chunks = client(server).chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=max_tokens,
+            temperature=temperature,
+            stream=True,
+        )
+        for chunk in chunks:
+            if outcome.error is not None:
+                outcome.chunks_after_error += 1
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    outcome.text += choice.delta.content
+                    outcome.content_chunks += 1
+                    outcome.started.set()
+                if choice.finish_reason is not None:
+                    outcome.finish_reason = choice.finish_reason
+    except openai.APIError as exc:
+        outcome.error = exc
+    outcome.started.set()
+    outcome.ended_at = time.monotonic()
+    return outcome
+
+
+def in_thread(target: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, Outcome]:
+    outcome = kwargs.pop("outcome", None) or Outcome()
+    thread = threading.Thread(
+        target=lambda: (
+            target(*args, outcome=outcome, **kwargs)
+            if target is stream
+            else _store(outcome, target(*args, **kwargs))
+        ),
+        daemon=True,
+    )
+    thread.start()
+    return thread, outcome
+
+
+def _store(into: Outcome, got: Outcome) -> None:
+    into.text, into.finish_reason, into.error = got.text, got.finish_reason, got.error
+    into.ended_at = got.ended_at
+    into.started.set()
+
+
+def join(*threads: threading.Thread) -> None:
+    for thread in threads:
+        thread.join(timeout=2 * REQUEST_TIMEOUT_S)
+        assert not thread.is_alive(), "a request outlived its timeout"
+
+
+def samples(server: Server) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    found = {}
+    for family in text_string_to_metric_families(server.metrics()):
+        for sample in family.samples:
+            found[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return found
+
+
+def sample(server: Server, name: str, **labels: str) -> float:
+    key = (name, frozenset({"rank": "0", **labels}.items()))
+    return samples(server).get(key, float("nan"))
+
+
+def wait_for_sample(
+    server: Server, name: str, expected: float, timeout_s: float = 30.0, **labels: str
+) -> float:
+    """The sample's value once it reaches `expected` (counts arrive a report tick late)."""
+    deadline = time.monotonic() + timeout_s
+    value = sample(server, name, **labels)
+    while not value >= expected and time.monotonic() < deadline:
+        time.sleep(0.25)
+        value = sample(server, name, **labels)
+    return value
