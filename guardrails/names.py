@@ -64,6 +64,7 @@ KNOWN_HOOKS: Final[Mapping[str, str]] = {
 HOOK_ACTS_ON: Final[Mapping[str, tuple[str, ...]]] = {
     "vllm.end_poisoned_requests": ("sampler.logits",),
     "sglang.abort_poisoned_requests": ("sampler.logits",),
+    "transformers.end_poisoned_requests": ("sampler.logits",),
 }
 
 LOGGER_NAME: Final = "guardrails"

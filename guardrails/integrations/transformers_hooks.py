@@ -130,17 +130,20 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     rows = _StepRows(guards, mask)
     kv = _HealKV()
     batch = _BatchHalf()
-    halves: list[tuple[str, str, Any]] = [
-        (_LOGITS_MODULE, _LOGITS_TARGET, _ProcessorsHalf(rows)),
-        (_STOP_MODULE, _STOP_TARGET, _StopHalf(rows)),
-        (_CACHE_MODULE, _CACHE_TARGET, kv),
-        (_RUNNER_MODULE, _RUNNER_TARGET, _SampleHalf(rows, kv)),
-        (_IO_MODULE, _IO_TARGET, _UpdateFilterHalf(batch)),
-        (_BATCH_MODULE, _BATCH_TARGET, batch),
-        (_SERVE_MODULE, _SERVE_TARGET, _NonStreamingHalf()),
+    # Watched by the liveness self-check (a heartbeat every step of either mode): in each
+    # group one half of each mode runs at every step, so the pair is judged on their sum.
+    halves: list[tuple[str, str, Any, bool | str]] = [
+        (_LOGITS_MODULE, _LOGITS_TARGET, _ProcessorsHalf(rows), "sampler"),
+        (_STOP_MODULE, _STOP_TARGET, _StopHalf(rows), "update"),
+        (_CACHE_MODULE, _CACHE_TARGET, kv, False),
+        (_RUNNER_MODULE, _RUNNER_TARGET, _SampleHalf(rows, kv), "sampler"),
+        (_IO_MODULE, _IO_TARGET, _UpdateFilterHalf(batch), False),
+        (_BATCH_MODULE, _BATCH_TARGET, batch, "update"),
+        (_SERVE_MODULE, _SERVE_TARGET, _NonStreamingHalf(), False),
     ]
     return [
-        MethodHook(guards, HOOK, module, target, half, enabled) for module, target, half in halves
+        MethodHook(guards, HOOK, module, target, half, enabled, expect_calls=expect)
+        for module, target, half, expect in halves
     ]
 
 

@@ -147,3 +147,13 @@ def wait_for_sample(
         time.sleep(0.25)
         value = sample(server, name, **labels)
     return value
+
+
+def not_called(server: Server) -> dict[str, float]:
+    """`guardrails_site_not_called` by site: 1 for a guard or hook half the running mode's
+    heartbeat found silent."""
+    return {
+        dict(labels)["site"]: value
+        for (name, labels), value in samples(server).items()
+        if name == "guardrails_site_not_called"
+    }

@@ -63,6 +63,7 @@ class Server:
             GUARDRAILS_METRICS_PORT=str(self.metrics_port),
             GUARDRAILS_REPORT_EVERY="1",  # counts reach /metrics at each call
             GUARDRAILS_STRICT_ATTACH="true",  # a point that does not resolve fails the start
+            GUARDRAILS_LIVENESS_STEPS="8",  # the self-check judges every 8 decoding steps
         )
         self._out = log.open("wb")
         self.proc = subprocess.Popen(

@@ -21,6 +21,7 @@ from tests.e2e.client import (
     chat,
     in_thread,
     join,
+    not_called,
     stream,
     wait_for_sample,
 )
@@ -76,6 +77,7 @@ def test_metrics_count_each_poisoned_request_once(batching: Server) -> None:
         batching, "guardrails_nonfinite_values_total", sent * tiny_llama.VOCAB, kind="nan", **site
     )
     assert nan == sent * tiny_llama.VOCAB
+    assert set(not_called(batching).values()) <= {0.0}  # the liveness self-check: all called
 
 
 def test_sampled_poisoned_requests_end_with_errors_and_the_others_go_on(

@@ -20,6 +20,7 @@ from tests.e2e.client import (
     chat,
     in_thread,
     join,
+    not_called,
     stream,
     wait_for_sample,
 )
@@ -91,3 +92,4 @@ def test_the_server_stays_up_and_metrics_count_each_poisoned_request(plain: Serv
     )
     assert nan == sent * tiny_llama.VOCAB
     assert wait_for_sample(plain, "guardrails_guard_calls_total", sent + 1, **site) > sent
+    assert set(not_called(plain).values()) <= {0.0}  # the liveness self-check: all called
