@@ -199,10 +199,12 @@ def test_eos_at_stopping_criteria_ends_the_poisoned_row_and_keeps_its_prompt(
         ],
         sites={"sampler.token_ids": {"on_no_valid_token": "eos", "eos_token_id": EOS}},
     )
-    guards.attach_configured(on_error=_raise)
+    handles = guards.attach_configured(on_error=_raise)
     try:
         out = generate(poisoned, do_sample=True)
     finally:
+        for handle in handles:  # later tests attach to the same methods
+            handle.remove()
         guards.close()
     assert torch.equal(out[:, :5], prompts())  # every prompt intact, the poisoned one too
     # Ended at its first step; its logits stay NaN, so the pad of each later step is the
