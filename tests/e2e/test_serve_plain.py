@@ -92,4 +92,7 @@ def test_the_server_stays_up_and_metrics_count_each_poisoned_request(plain: Serv
     )
     assert nan == sent * tiny_llama.VOCAB
     assert wait_for_sample(plain, "guardrails_guard_calls_total", sent + 1, **site) > sent
-    assert set(not_called(plain).values()) <= {0.0}  # the liveness self-check: all called
+    # The liveness self-check ran (its gauge exists) and found every watched site called.
+    silent = not_called(plain)
+    assert silent.get("sampler.logits") == 0.0, silent
+    assert set(silent.values()) == {0.0}, silent
