@@ -247,6 +247,9 @@ print("RESULT", json.dumps({
     "recorded_nan": recorder.nan,
     "recorded_steps": recorder.steps,
     "counts": {f"{s}/{k}": v for (s, k), v in guards.counts().items()} if guards else {},
+    "beats": guards.liveness.beats if guards and guards.liveness else 0,
+    "not_called": __import__("prometheus_client").REGISTRY.get_sample_value(
+        "guardrails_site_not_called", {"site": "sampler.logits", "rank": "0"}),
 }))
 """
 
@@ -254,7 +257,7 @@ print("RESULT", json.dumps({
 def test_guardrails_run_with_the_transformers_profile_guards_generate(tmp_path: Path) -> None:
     script = tmp_path / "client.py"
     script.write_text(SCRIPT, encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GUARDRAILS_LIVENESS_STEPS": "4"}
     command = [sys.executable, "-m", "guardrails", "run", "--config", str(PROFILE), "--"]
     proc = subprocess.run(
         [*command, sys.executable, str(script)],
@@ -276,6 +279,10 @@ def test_guardrails_run_with_the_transformers_profile_guards_generate(tmp_path: 
     # The recorder saw the poisoned greedy run; the sampling run adds as many NaN again.
     assert counts["sampler.logits/nan"] == 2 * result["recorded_nan"]
     assert counts["sampler.logits/rows_no_valid_token"] == 2 * result["recorded_steps"]
+    # The heartbeat (StopCheck) beat at every step of the three generate() calls, and the
+    # liveness self-check found the profile's site on generate()'s path.
+    assert result["beats"] == 3 * NEW_TOKENS
+    assert result["not_called"] == 0.0
 
 
 def test_guardrails_imports_and_guards_without_transformers() -> None:
