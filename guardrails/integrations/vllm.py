@@ -1,30 +1,42 @@
 """vLLM hook `vllm.end_poisoned_requests`: end a request whose logits could not be healed with
-finish_reason="error", through the path vLLM already has for NaN logits.
+finish_reason="error", through the path vLLM already has for NaN logits, and keep its KV out
+of the prefix cache.
 
     hooks = ["vllm.end_poisoned_requests"]       # config file, top level
     [sites."sampler.logits"]
     abort_on = ["no_valid_token"]
 
 A row with no valid token (all NaN, or all -inf) is healed to uniform logits and sampling
-from it gives a token that means nothing. vLLM's model runner already reports NaN logits to
-its scheduler per request (`ModelRunnerOutput.num_nans_in_logits`, req id -> count; vLLM
+from it gives a token that means nothing. vLLM's model runners already report NaN logits to
+the scheduler per request (`ModelRunnerOutput.num_nans_in_logits`, req id -> count; vLLM
 fills it only under VLLM_COMPUTE_NANS_IN_LOGITS, and its own count sees the logits after the
-guard healed them in place). This hook has two halves, one per process, joined by that field:
+guard healed them in place). This hook's halves are joined by that field; a worker builds
+one of vLLM's two model runners, so one runner half runs there and the other never does:
 
-- worker (`GPUModelRunner._bookkeeping_sync`): the rows of this step's `sampler.logits` call
-  whose flags intersect that site's `abort_on` are reported there with a count of at least 1.
-- scheduler (`Scheduler.update_from_output`): a request reported with NaNs loses the token
-  sampled from its healed row and ends as FINISHED_ERROR; its output carries finish_reason
-  ERROR and the count, which vLLM's own stats mark as a corrupted request.
+- Model Runner V2, vLLM's default on a GPU (`vllm.v1.worker.gpu.model_runner`,
+  `GPUModelRunner.sample`): after the step's sampler call, the rows of its `sampler.logits`
+  call whose flags intersect that site's `abort_on` are folded into the sampler output's
+  per-request NaN counts (`SamplerOutput.num_nans`, made when vLLM made none), which V2's
+  `AsyncOutput` copies to the host on its output copy stream and `get_output` turns into
+  `num_nans_in_logits` after that copy's event. A speculative step's rows (draft targets and
+  bonus) are reduced per request with the batch's `cu_num_logits`.
+- V1 model runner (`vllm.v1.worker.gpu_model_runner`, `GPUModelRunner._bookkeeping_sync`):
+  the same rows are reported there with a count of at least 1. Under async scheduling the
+  marks ride vLLM's own device NaN counts (`num_nans`), copied with the sampled ids; under
+  sync scheduling they are copied (non-blocking, pinned on CUDA) before the bookkeeping call,
+  whose `_to_list` waits for an event recorded after them on the same stream, and read once it
+  returns.
+- scheduler (`vllm.v1.core.sched.scheduler`, `Scheduler.update_from_output`; engine core,
+  either runner): a request reported with NaNs loses the tokens sampled from its healed rows,
+  its KV blocks leave the prefix cache (`KVCacheManager.evict_blocks`: a retry of the same
+  prompt recomputes instead of reading the poisoned KV back), and it ends as FINISHED_ERROR;
+  its output carries finish_reason ERROR and the count, which vLLM's own stats mark as a
+  corrupted request.
 
-No host sync is added. Under async scheduling the marks ride vLLM's own device NaN counts
-(`num_nans`), which vLLM copies to the host on its output copy stream and reads after that
-copy's event. Under sync scheduling the marks are copied (non-blocking, pinned on CUDA) before
-the bookkeeping call, whose `_to_list` waits for an event recorded after them on the same
-stream; they are read once it returns. The marks are a new tensor made from the flags before
-the next step can reuse the flags buffer. Nothing here imports vLLM: both halves wait for
-their module's import (wrapt post-import hooks). Any exception of ours is logged once and the
-engine's call goes on as if unhooked.
+No host sync is added: the marks are new device tensors made from the flags before the next
+step can reuse the flags buffer, and they reach the host with copies vLLM already waits for.
+Nothing here imports vLLM: each half waits for its module's import (wrapt post-import hooks).
+Any exception of ours is logged once and the engine's call goes on as if unhooked.
 """
 
 from __future__ import annotations
@@ -45,6 +57,8 @@ SITE: Final = "sampler.logits"
 HOOK: Final = "vllm.end_poisoned_requests"
 RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
 RUNNER_TARGET: Final = "GPUModelRunner._bookkeeping_sync"
+RUNNER_V2_MODULE: Final = "vllm.v1.worker.gpu.model_runner"
+RUNNER_V2_TARGET: Final = "GPUModelRunner.sample"
 SCHEDULER_MODULE: Final = "vllm.v1.core.sched.scheduler"
 SCHEDULER_TARGET: Final = "Scheduler.update_from_output"
 # _bookkeeping_sync returns (num_nans_in_logits, num_nans, ..., req_id_to_index, ...).
@@ -52,15 +66,100 @@ _NANS_DICT, _NANS_DEVICE, _REQ_ID_TO_INDEX = 0, 1, 6
 
 
 def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
-    """Install both halves (each when its vLLM module is imported); returns their handles."""
+    """Install every half (each when its vLLM module is imported); returns their handles."""
     return [
+        MethodHook(guards, HOOK, RUNNER_V2_MODULE, RUNNER_V2_TARGET, _RunnerV2Half(guards)),
         MethodHook(guards, HOOK, RUNNER_MODULE, RUNNER_TARGET, _RunnerHalf(guards)),
         MethodHook(guards, HOOK, SCHEDULER_MODULE, SCHEDULER_TARGET, _SchedulerHalf()),
     ]
 
 
+def _abort_marks(guards: Guardrails, flags: torch.Tensor) -> torch.Tensor:
+    """Rows whose flags intersect the site's abort_on, as a new bool tensor (enqueued now:
+    the flags buffer is rewritten by the site's next call)."""
+    return flags.bitwise_and(guards.settings.site_settings(SITE).abort_flags).ne(0)
+
+
+class _RunnerV2Half:
+    """Model Runner V2 worker side: fold this step's abort rows into the sampler output's
+    per-request NaN counts, which V2 carries to the scheduler itself."""
+
+    def __init__(self, guards: Guardrails) -> None:
+        self._guards = guards
+        self._failed = OnceLog(HOOK, RUNNER_V2_TARGET)
+
+    def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        try:
+            before = self._latest_call()
+        except Exception as exc:
+            self._failed(exc)
+            return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        try:
+            self._report(runner, result, before, *args, **kwargs)
+        except Exception as exc:
+            self._failed(exc)
+        return result
+
+    def _latest_call(self) -> int | None:
+        """The site's latest call number on this thread; None where nothing can be ended."""
+        site = self._guards.site(SITE)
+        if not site.enabled or not self._guards.settings.site_settings(SITE).abort_flags:
+            return None
+        found = site.recent()
+        return -1 if found is None else found[0]
+
+    def _report(
+        self,
+        runner: Any,
+        result: Any,
+        before: int | None,
+        hidden_states: Any,
+        input_batch: Any,
+        *rest: Any,
+        **kwargs: Any,
+    ) -> None:
+        if before is None:
+            return
+        found = self._guards.site(SITE).recent()
+        if found is None or found[0] == before:
+            return  # the guard did not run inside this call (a batch with no requests)
+        if getattr(runner, "batch_sharder", None) is not None:
+            # Each rank samples a shard of the batch and the gathered output keeps NaN counts
+            # only under VLLM_COMPUTE_NANS_IN_LOGITS: these rows cannot be placed.
+            raise ValueError(
+                "batch-sharded sampling (enable_batch_sharded_sampling) is not supported: "
+                "poisoned requests are healed and counted, not ended"
+            )
+        marks = _abort_marks(self._guards, found[1]).to(torch.int32)
+        output = result[0]
+        num_reqs = int(input_batch.num_reqs)
+        nans = output.num_nans
+        if marks.shape[0] != num_reqs:
+            # A speculative step: one row per draft target and bonus token of each request.
+            owner = self._row_owner(input_batch, marks)
+            marks = torch.zeros(num_reqs, dtype=torch.int32, device=marks.device).scatter_reduce_(
+                0, owner, marks, "amax"
+            )
+            if nans is not None and nans.shape[0] == owner.shape[0]:
+                # vLLM's own counts are per row there too; its get_output pairs them with
+                # request ids one to one, so they are summed per request.
+                nans = torch.zeros_like(marks).index_add_(0, owner, nans.to(torch.int32))
+        if nans is not None and nans.shape[0] != num_reqs:
+            raise ValueError(f"{nans.shape[0]} NaN-count rows for {num_reqs} requests")
+        output.num_nans = marks if nans is None else torch.maximum(nans.to(torch.int32), marks)
+
+    @staticmethod
+    def _row_owner(input_batch: Any, marks: torch.Tensor) -> torch.Tensor:
+        """The batch index of each logits row, from the device `cu_num_logits` (adaptive
+        verification keeps its true request bounds only there); no host read."""
+        cu = input_batch.cu_num_logits.to(device=marks.device, dtype=torch.int64)
+        rows = torch.arange(marks.shape[0], device=marks.device, dtype=torch.int64)
+        return torch.searchsorted(cu[1:], rows, right=True)
+
+
 class _RunnerHalf:
-    """Worker side: report this step's abort rows in the model runner's NaN counts."""
+    """V1 model runner worker side: report this step's abort rows in its NaN counts."""
 
     def __init__(self, guards: Guardrails) -> None:
         self._guards = guards
@@ -90,9 +189,8 @@ class _RunnerHalf:
         if found is None or found[0] == getattr(local, "seen", -1):
             return None, None  # no sampler call since the last step (pooling, a dummy run)
         local.seen, flags = found
-        # A new tensor, enqueued now: the flags buffer is rewritten by the next step's sampler
-        # (async scheduling runs it before this step's output is read).
-        marks = flags.bitwise_and(mask).ne(0)
+        # Async scheduling runs the next step's sampler before this step's output is read.
+        marks = _abort_marks(self._guards, flags)
         if getattr(runner, "use_async_scheduling", False):
             return marks, None
         mirror = self._mirror(marks)
@@ -190,6 +288,9 @@ class _SchedulerHalf:
     def _finish(self, scheduler: Any, outputs: dict[int, Any], poisoned: dict[str, int]) -> None:
         EngineCoreOutput, EngineCoreOutputs, RequestStatus = self._engine_types()
 
+        # Before the blocks are freed: freed, they keep their hashes and serve the next
+        # request with the same prefix (vLLM #55766, "retries fail the same way").
+        self._evict(scheduler, poisoned)
         for request in scheduler.finish_requests(poisoned, RequestStatus.FINISHED_ERROR):
             request.num_nans_in_logits = max(
                 request.num_nans_in_logits, poisoned[request.request_id]
@@ -207,3 +308,19 @@ class _SchedulerHalf:
                     num_nans_in_logits=request.num_nans_in_logits,
                 )
             )
+
+    @staticmethod
+    def _evict(scheduler: Any, poisoned: dict[str, int]) -> None:
+        """Take every KV block of the poisoned requests out of the prefix cache.
+
+        Shared blocks too: which block holds the bad values is unknown, and a block another
+        running request uses stays allocated to it (`evict_blocks` drops only the hash); its
+        prefix is recomputed by the next request that would have hit it."""
+        manager = scheduler.kv_cache_manager
+        block_ids: set[int] = set()
+        for req_id in poisoned:
+            if req_id in scheduler.requests:
+                for group in manager.get_block_ids(req_id):
+                    block_ids.update(group)
+        if block_ids:
+            manager.evict_blocks(block_ids)

@@ -8,6 +8,7 @@ tests, as vLLM's InputBatch and model runner build them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,6 +77,80 @@ def metadata(mode: str, rows: int = ROWS, *, logprobs: int | None = None):  # ty
         bad_words_token_ids={},
         logitsprocs=LogitsProcessors(),
     )
+
+
+# A one-layer Llama config: the scheduler and the model runners need a model config, never
+# weights or a tokenizer.
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 1,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 512,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+
+
+def vllm_config(model_dir: Path):  # type: ignore[no-untyped-def]
+    """A VllmConfig of a local config.json (written into `model_dir`), on the CPU device."""
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(model_dir), skip_tokenizer_init=True, max_model_len=512, dtype="float32"
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512, is_encoder_decoder=False
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine core sets after profiling
+    return config
+
+
+def scheduler(config):  # type: ignore[no-untyped-def]
+    """vLLM's own Scheduler (with its KVCacheManager and BlockPool, prefix caching on, as
+    vLLM defaults) over a KV cache of NUM_BLOCKS blocks of one full-attention group."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=4, head_size=16, dtype=torch.float32
+    )
+    kv = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+    )
+    return Scheduler(
+        config,
+        kv,
+        StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+        include_finished_set=True,
+    )
+
+
+def block_hasher(config):  # type: ignore[no-untyped-def]
+    """The per-request block hasher vLLM's EngineCore gives every Request when prefix
+    caching is on (the default): without it a request has no block hashes to cache."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(BLOCK_SIZE, hash_fn, config.num_hash_lookahead_tokens)
 
 
 def profile_settings(**overrides: object) -> gr.GuardSettings:

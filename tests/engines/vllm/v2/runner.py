@@ -1,0 +1,229 @@
+"""vLLM 0.33.0's Model Runner V2, its sampler and its scheduler path, driven on the CPU.
+
+What runs is vLLM's: `GPUModelRunner.__init__`, `load_model` (model states, the `Sampler`,
+the prompt-logprobs and structured-output workers, built from the VllmConfig),
+`finish_requests`/`add_requests`/`update_requests`, `gather_batch_req_state`,
+`prepare_inputs`, `sample_tokens` (`sample`, `Sampler.__call__` or the `RejectionSampler`,
+`AsyncOutput`, `postprocess_sampled`), `AsyncOutput.get_output`, and the `Scheduler` with its
+`KVCacheManager` and `BlockPool`; V2's Triton kernels run in Triton's interpreter (see
+conftest.py). The stand-ins, each for what cannot run on a CPU with vLLM's CUDA wheel, are
+labelled STAND-IN below:
+
+- the model: the forward pass needs an attention backend, which the CUDA wheel has none of
+  for a CPU. `LogitsModel` has what `sample_tokens` calls on the model, `compute_logits`,
+  written as LlamaForCausalLM's (vLLM's `LogitsProcessor` on a `ParallelLMHead`), with the
+  processor's `logits_as_input` mode, so the hidden states a test passes are the logits the
+  model produces: faults are injected there.
+- the KV cache side of the runner (`initialize_kv_cache` allocates KV tensors and builds
+  attention metadata builders): `BlockTablesStandIn` takes the block ids the scheduler hands
+  out and the batch descriptor is the one `dispatch_cg_and_sync_dp` returns for an eager
+  step; nothing reads a KV cache because no forward pass runs.
+- the platform's memory probe (`load_model` measures device memory; the unspecified
+  platform has none to measure), and two of V2's Triton kernels that Triton's interpreter
+  cannot run: top-k/top-p (it asks the platform for a compute-unit count), for which vLLM's
+  own PyTorch top-k/top-p (`apply_top_k_top_p_pytorch`) stands in, and the NaN count of
+  VLLM_COMPUTE_NANS_IN_LOGITS (`get_num_nans`: CUDA's libdevice `isnan`), for which a
+  PyTorch count of the same per-row values stands in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ..faults import VOCAB, vllm_config
+
+DEVICE = torch.device("cpu")
+
+
+class LogitsModel(torch.nn.Module):
+    """STAND-IN (test only) for a loaded model: `compute_logits` as vLLM's Llama writes it,
+    with a `LogitsProcessor(logits_as_input=True)`, so the runner's hidden states are the
+    logits."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        super().__init__()
+        self.lm_head = ParallelLMHead(vocab, 64)
+        self.logits_processor = LogitsProcessor(vocab, logits_as_input=True)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)  # type: ignore[no-any-return]
+
+
+class BlockTablesStandIn:
+    """STAND-IN (test only) for V2's BlockTables, which initialize_kv_cache builds with the
+    KV cache: keeps the block ids the scheduler assigned, per request slot."""
+
+    def __init__(self) -> None:
+        self.block_ids: dict[int, Any] = {}
+
+    def append_block_ids(self, req_index: int, block_ids: Any, overwrite: bool) -> None:
+        if overwrite or req_index not in self.block_ids:
+            self.block_ids[req_index] = block_ids
+
+    def apply_staged_writes(self) -> None:
+        pass
+
+
+def top_k_top_p_stand_in(
+    logits: torch.Tensor,
+    k: torch.Tensor | None,
+    p: torch.Tensor | None,
+    has_topp_only_rows: bool = True,
+) -> torch.Tensor:
+    """STAND-IN (test only) for V2's Triton top-k/top-p kernel: vLLM's own PyTorch version,
+    which vLLM itself runs where Triton is missing."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    return apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=True)  # type: ignore[no-any-return]
+
+
+def num_nans_stand_in(logits: torch.Tensor) -> torch.Tensor:
+    """STAND-IN (test only) for V2's Triton `get_num_nans` (vllm/v1/worker/gpu/metrics/
+    logits.py): the NaN count of each row, int32, as its kernel stores it."""
+    return logits.float().isnan().sum(dim=-1, dtype=torch.int32)
+
+
+def apply_cpu_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process-level stand-ins: V2's top-k/top-p and NaN count, load_model's memory
+    probe."""
+    import vllm.v1.worker.gpu.sample.sampler as v2_sampler
+    import vllm.v1.worker.gpu.spec_decode.rejection_sampler as v2_rejection
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(v2_sampler, "apply_top_k_top_p", top_k_top_p_stand_in)
+    monkeypatch.setattr(v2_sampler, "get_num_nans", num_nans_stand_in)
+    monkeypatch.setattr(v2_rejection, "get_num_nans", num_nans_stand_in)
+    # STAND-IN (test only): the unspecified platform has no device memory to report.
+    monkeypatch.setattr(
+        type(current_platform), "get_current_memory_usage", classmethod(lambda cls, d=None: 0.0)
+    )
+
+
+_distributed: list[bool] = []
+
+
+def init_distributed(config: Any, tmp: Path) -> None:
+    """One-process tensor/pipeline groups on gloo, as a single-GPU worker has (V2's runner
+    reads its PP and TP rank at construction); once per process."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    if _distributed:
+        return
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        distributed_init_method=f"file://{tmp / 'dist-init'}",
+        local_rank=0,
+        backend="gloo",
+    )
+    with set_current_vllm_config(config):
+        initialize_model_parallel(1, 1)
+    _distributed.append(True)
+
+
+@dataclass
+class Engine:
+    """A V2 model runner and the scheduler that feeds it, stepped as vLLM's engine core does
+    (schedule, execute, sample, get_output, update_from_output)."""
+
+    config: Any
+    runner: Any
+    scheduler: Any
+    block_hasher: Any
+
+    def add(self, req_id: str, prompt: list[int], **params: Any) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        params.setdefault("max_tokens", 8)
+        request = Request(
+            req_id, prompt, SamplingParams(**params), None, block_hasher=self.block_hasher
+        )
+        self.scheduler.add_request(request)
+
+    def step(self, logits: Mapping[str, torch.Tensor] | None = None, *, vocab: int = VOCAB) -> Step:
+        """One engine step; `logits[req_id]` is the row the model produces for that request
+        (the other rows: seeded random logits)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+        from vllm.v1.worker.gpu.model_runner import ExecuteModelState
+
+        logits = logits or {}
+        runner = self.runner
+        scheduled = self.scheduler.schedule()
+        with set_current_vllm_config(self.config), torch.inference_mode():
+            # execute_model's request-state updates, then its input preparation.
+            runner.finish_requests(scheduled)
+            runner.free_states(scheduled)
+            runner.add_requests(scheduled)
+            runner.update_requests(scheduled)
+            runner.block_tables.apply_staged_writes()
+            state, _ = runner.gather_batch_req_state(scheduled, False)
+            # STAND-IN (test only): the eager descriptor dispatch_cg_and_sync_dp returns.
+            desc = BatchExecutionDescriptor(
+                cg_mode=CUDAGraphMode.NONE, num_tokens=state.num_tokens, num_reqs=None
+            )
+            batch = runner.prepare_inputs(scheduled, state, desc, 0)
+            g = torch.Generator().manual_seed(11)
+            hidden = torch.randn(batch.num_tokens_after_padding, vocab, generator=g) * 3
+            rows = batch.logits_indices.tolist()
+            for i, req_id in enumerate(batch.req_ids):
+                if req_id in logits:
+                    hidden[rows[i]] = logits[req_id]
+            # What execute_model leaves for sample_tokens (no KV connector, no drafts).
+            runner.execute_model_state = ExecuteModelState(
+                input_batch=batch,
+                attn_metadata=None,
+                slot_mappings_by_layer=None,
+                hidden_states=hidden,
+                aux_hidden_states=None,
+                dp_sync_state=None,
+                finished_req_ids=set(),
+                ec_connector_output=None,
+                cudagraph_stats=None,
+                num_spec_tokens_to_schedule=0,
+            )
+            output = runner.sample_tokens(None).get_output()
+        engine_outputs = self.scheduler.update_from_output(scheduled, output)
+        return Step(scheduled, output, engine_outputs)
+
+
+@dataclass
+class Step:
+    scheduled: Any
+    output: Any  # ModelRunnerOutput, as the executor hands it to the engine core
+    engine_outputs: Any
+
+    def by_id(self) -> dict[str, Any]:
+        return {o.request_id: o for eco in self.engine_outputs.values() for o in eco.outputs}
+
+
+@contextmanager
+def engine(tmp: Path, **config_overrides: Any) -> Iterator[Engine]:
+    """A fresh V2 runner (load_model with the LogitsModel stand-in) and scheduler."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from ..faults import block_hasher, scheduler
+
+    config = vllm_config(tmp)
+    for key, value in config_overrides.items():
+        setattr(config.model_config, key, value)
+    init_distributed(config, tmp)
+    with set_current_vllm_config(config):
+        runner = GPUModelRunner(config, DEVICE)
+        runner.load_model(model=LogitsModel())
+    runner.block_tables = BlockTablesStandIn()
+    yield Engine(config, runner, scheduler(config), block_hasher(config))

@@ -1,0 +1,202 @@
+"""`vllm.end_poisoned_requests` under Model Runner V2: a request whose logits had no valid
+token ends with finish_reason="error" through V2's own NaN report, and its KV leaves the
+prefix cache.
+
+Each step is an engine-core step of vLLM's own code (runner.py): Scheduler.schedule, the V2
+runner's request updates and prepare_inputs, sample_tokens (GPUModelRunner.sample, the
+guarded Sampler.__call__, AsyncOutput), AsyncOutput.get_output (what the executor calls),
+Scheduler.update_from_output. The model (its logits are the test's) and the KV-cache side
+of the runner are the labelled stand-ins of runner.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from guardrails import Guardrails
+
+from ..faults import BLOCK_SIZE, NAN_IDS, VOCAB, guarded
+from .runner import Engine, engine
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+REQS = ["r0", "r1", "r2"]
+POISONED = "r1"
+HEALABLE = "r2"  # NaN entries only: healed, never ended
+PROMPT = [1, 5, 7, 9]
+
+
+@pytest.fixture
+def v2(tmp_path: Path) -> Iterator[Engine]:
+    with engine(tmp_path) as built:
+        yield built
+
+
+@contextmanager
+def hooked() -> Iterator[Guardrails]:
+    """The profile's points and hook, as the bootstrap installs them."""
+    with guarded() as guards:
+        handles = guards.install_hooks()
+        try:
+            # Only V2's runner module is imported in this process, as in a V2 worker.
+            assert {h.target: h.state for h in handles} == {
+                "GPUModelRunner.sample": "applied",
+                "GPUModelRunner._bookkeeping_sync": "pending",
+                "Scheduler.update_from_output": "applied",
+            }
+            yield guards
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def fault_row(fault: str) -> torch.Tensor:
+    row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(5)) * 3
+    if fault == "all-NaN row":
+        row[:] = float("nan")
+    elif fault == "all -inf row":
+        row[:] = float("-inf")
+    else:
+        row[NAN_IDS] = float("nan")
+    return row
+
+
+@pytest.mark.parametrize("compute_nans", [False, True], ids=["default", "COMPUTE_NANS"])
+@pytest.mark.parametrize("fault", ["all-NaN row", "all -inf row"])
+def test_a_poisoned_request_ends_with_finish_reason_error_under_v2(  # type: ignore[no-untyped-def]
+    outcome, tmp_path, monkeypatch, fault, compute_nans
+) -> None:
+    from vllm.v1.engine import FinishReason
+
+    # V2's Sampler reads it when load_model builds it.
+    monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "1" if compute_nans else "0")
+    with engine(tmp_path) as v2, hooked() as guards:
+        assert v2.runner.sampler.compute_nans is compute_nans
+        for req_id in REQS:
+            v2.add(req_id, PROMPT, temperature=0.0)
+        step = v2.step({POISONED: fault_row(fault), HEALABLE: fault_row("NaN entries")})
+        assert guards.count("sampler.logits", "rows_no_valid_token") == 1
+        following = v2.step()
+
+    got = step.by_id()
+    # V2's own report, through AsyncOutput.get_output: one count per request, in its order.
+    nans = step.output.num_nans_in_logits
+    assert nans[POISONED] >= 1
+    assert nans["r0"] == 0
+    # vLLM's own count (COMPUTE_NANS) runs inside __call__, after the guard healed the rows.
+    assert nans[HEALABLE] == 0
+    assert got[POISONED].finish_reason == FinishReason.ERROR
+    assert str(got[POISONED].finish_reason) == "error"
+    assert got[POISONED].new_token_ids == []  # the token of the uniform row never leaves
+    assert got[POISONED].num_nans_in_logits >= 1  # vLLM's stats: a corrupted request
+    assert got["r0"].finish_reason is None
+    assert got["r0"].new_token_ids != []
+    assert got[HEALABLE].finish_reason is None
+    assert got[HEALABLE].new_token_ids[0] not in NAN_IDS
+    assert POISONED not in v2.scheduler.requests
+    assert set(following.scheduled.num_scheduled_tokens) == {"r0", HEALABLE}
+    outcome(
+        component="V2 GPUModelRunner.sample -> Scheduler.update_from_output",
+        dtype="float32",
+        mode="greedy" + (", VLLM_COMPUTE_NANS_IN_LOGITS=1" if compute_nans else ""),
+        fault=fault,
+        unguarded="see test_unguarded_v2_hands_out_the_token_of_an_all_inf_row",
+        guarded=f"no token, finish_reason=error, num_nans_in_logits={nans[POISONED]}, "
+        "request freed",
+    )
+
+
+def test_unguarded_v2_hands_out_the_token_of_an_all_inf_row(outcome, v2) -> None:  # type: ignore[no-untyped-def]
+    """vLLM 0.33.0 V2 as it is: an all -inf row samples a token like any other, and the
+    request runs on (an all-NaN row stops the interpreter's argmax, test_sampler.py)."""
+    for req_id in REQS:
+        v2.add(req_id, PROMPT, temperature=0.0)
+    got = v2.step({POISONED: fault_row("all -inf row")}).by_id()
+    assert got[POISONED].finish_reason is None
+    assert len(got[POISONED].new_token_ids) == 1
+    assert POISONED in v2.scheduler.requests
+    outcome(
+        component="V2 GPUModelRunner.sample -> Scheduler.update_from_output",
+        dtype="float32",
+        mode="greedy",
+        fault="all -inf row (unguarded)",
+        unguarded=f"token {got[POISONED].new_token_ids} handed out, request runs on",
+        guarded="(test_a_poisoned_request_ends_with_finish_reason_error_under_v2)",
+    )
+
+
+def long_prompt(seed: int) -> list[int]:
+    """Two full KV blocks and a partial one: prefix caching stores the full ones."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (2 * BLOCK_SIZE + 8,), generator=g).tolist()
+
+
+def cached_tokens_on_retry(v2: Engine, prompts: dict[str, list[int]]) -> dict[str, int]:
+    """Submit each prompt again; the prefix-cache hit the scheduler finds for it."""
+    for req_id, prompt in prompts.items():
+        v2.add(f"{req_id}-retry", prompt, temperature=0.0)
+    scheduled = v2.scheduler.schedule()
+    return {
+        new.req_id.removesuffix("-retry"): new.num_computed_tokens
+        for new in scheduled.scheduled_new_reqs
+    }
+
+
+@pytest.mark.parametrize("evict", [True, False], ids=["hook", "hook-without-eviction"])
+def test_a_retry_of_a_poisoned_prompt_recomputes_instead_of_reading_its_kv(  # type: ignore[no-untyped-def]
+    outcome, v2, monkeypatch, evict
+) -> None:
+    """vLLM #55766: retries of a poisoned prompt failed the same way until the prefix cache
+    turned over. After the hook ends a request, its blocks are out of vLLM's prefix cache
+    (KVCacheManager / BlockPool); a clean request's blocks still serve its retry."""
+    from guardrails.integrations import vllm as hook
+
+    if not evict:
+        # What vLLM does on its own when it ends a request: free the blocks, hashes kept.
+        monkeypatch.setattr(hook._SchedulerHalf, "_evict", staticmethod(lambda *a: None))
+    prompts = {"poisoned": long_prompt(1), "clean": long_prompt(2)}
+    with hooked():
+        v2.add("poisoned", prompts["poisoned"], temperature=0.0)
+        v2.add("clean", prompts["clean"], temperature=0.0, max_tokens=1)
+        got = v2.step({"poisoned": fault_row("all-NaN row")}).by_id()
+        assert str(got["poisoned"].finish_reason) == "error"
+        assert str(got["clean"].finish_reason) == "length"  # finished cleanly, blocks freed
+        cached = cached_tokens_on_retry(v2, prompts)
+    full = 2 * BLOCK_SIZE
+    assert cached["clean"] == full
+    assert cached["poisoned"] == (0 if evict else full)
+    outcome(
+        component="Scheduler KVCacheManager/BlockPool (prefix cache)",
+        dtype="float32",
+        mode="retry of the same prompt" + ("" if evict else " (eviction switched off)"),
+        fault="all-NaN row at prefill",
+        unguarded=f"(vLLM alone: the request is not ended; with the hook but no eviction the "
+        f"retry hits {full} poisoned tokens)",
+        guarded=f"retry hits {cached['poisoned']} cached tokens; a clean prompt's retry hits "
+        f"{cached['clean']}",
+    )
+
+
+def test_a_failure_of_the_v2_half_leaves_the_step_as_if_unhooked(  # type: ignore[no-untyped-def]
+    v2, monkeypatch, caplog
+) -> None:
+    from guardrails.integrations import vllm as hook
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug in guardrails")
+
+    monkeypatch.setattr(hook._RunnerV2Half, "_report", broken)
+    for req_id in REQS:
+        v2.add(req_id, PROMPT, temperature=0.0)
+    with caplog.at_level(logging.WARNING, logger="guardrails"), hooked():
+        got = v2.step({POISONED: fault_row("all -inf row")}).by_id()
+    assert [got[r].finish_reason for r in REQS] == [None, None, None]
+    assert [len(got[r].new_token_ids) for r in REQS] == [1, 1, 1]
+    assert "guardrails.hook_error" in caplog.text
+    assert "a bug in guardrails" in caplog.text
