@@ -153,8 +153,9 @@ class Engine:
         self.scheduler.add_request(request)
 
     def step(self, logits: Mapping[str, torch.Tensor] | None = None, *, vocab: int = VOCAB) -> Step:
-        """One engine step; `logits[req_id]` is the row the model produces for that request
-        (the other rows: seeded random logits)."""
+        """One engine step; `logits[req_id]` is what the model produces for that request: a
+        row, or one row per logit under speculative decoding (the other rows: seeded random
+        logits)."""
         from vllm.config import set_current_vllm_config
         from vllm.config.compilation import CUDAGraphMode
         from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
@@ -179,10 +180,12 @@ class Engine:
             g = torch.Generator().manual_seed(11)
             hidden = torch.randn(batch.num_tokens_after_padding, vocab, generator=g) * 3
             rows = batch.logits_indices.tolist()
+            cu = batch.cu_num_logits_np.tolist()
             for i, req_id in enumerate(batch.req_ids):
                 if req_id in logits:
-                    hidden[rows[i]] = logits[req_id]
-            # What execute_model leaves for sample_tokens (no KV connector, no drafts).
+                    # One row per logit of the request: its draft targets, then its bonus.
+                    hidden[rows[cu[i] : cu[i + 1]]] = logits[req_id]
+            # What execute_model leaves for sample_tokens (no KV connector).
             runner.execute_model_state = ExecuteModelState(
                 input_batch=batch,
                 attn_metadata=None,
@@ -193,16 +196,35 @@ class Engine:
                 finished_req_ids=set(),
                 ec_connector_output=None,
                 cudagraph_stats=None,
-                num_spec_tokens_to_schedule=0,
+                num_spec_tokens_to_schedule=scheduled.num_spec_tokens_to_schedule,
             )
             output = runner.sample_tokens(None).get_output()
         engine_outputs = self.scheduler.update_from_output(scheduled, output)
-        return Step(scheduled, output, engine_outputs)
+        if runner.speculator is not None:
+            # EngineCore.post_step (sync scheduling): the drafts for the next step.
+            drafts = runner.take_draft_token_ids()
+            if drafts is not None:
+                self.scheduler.update_draft_token_ids(drafts)
+        return Step(scheduled, batch, output, engine_outputs)
+
+
+class DrafterStandIn:
+    """STAND-IN (test only) for the drafter's proposal (the n-gram speculator's Triton scan
+    does not run in Triton's interpreter): `propose` returns the draft ids the test set, as
+    a [num_reqs, num_speculative_steps] tensor, which V2 then schedules and verifies."""
+
+    def __init__(self, runner: Any, drafts: list[int]) -> None:
+        self.drafts = drafts
+        runner.speculator.propose = self.propose
+
+    def propose(self, input_batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor([self.drafts] * input_batch.num_reqs, dtype=torch.int64)
 
 
 @dataclass
 class Step:
     scheduled: Any
+    batch: Any  # the InputBatch prepare_inputs made
     output: Any  # ModelRunnerOutput, as the executor hands it to the engine core
     engine_outputs: Any
 
@@ -211,16 +233,27 @@ class Step:
 
 
 @contextmanager
-def engine(tmp: Path, **config_overrides: Any) -> Iterator[Engine]:
-    """A fresh V2 runner (load_model with the LogitsModel stand-in) and scheduler."""
+def engine(tmp: Path, *, speculative_tokens: int = 0) -> Iterator[Engine]:
+    """A fresh V2 runner (load_model with the LogitsModel stand-in) and scheduler; with
+    `speculative_tokens`, vLLM's n-gram speculative decoding (prompt lookup: no draft model),
+    so that V2 verifies drafts with its RejectionSampler."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from ..faults import block_hasher, scheduler
 
     config = vllm_config(tmp)
-    for key, value in config_overrides.items():
-        setattr(config.model_config, key, value)
+    if speculative_tokens:
+        from vllm.config import SpeculativeConfig
+
+        config.speculative_config = SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=speculative_tokens,
+            prompt_lookup_min=1,
+            prompt_lookup_max=3,
+            target_model_config=config.model_config,
+            target_parallel_config=config.parallel_config,
+        )
     init_distributed(config, tmp)
     with set_current_vllm_config(config):
         runner = GPUModelRunner(config, DEVICE)
