@@ -66,11 +66,38 @@ _NANS_DICT, _NANS_DEVICE, _REQ_ID_TO_INDEX = 0, 1, 6
 
 
 def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
-    """Install every half (each when its vLLM module is imported); returns their handles."""
+    """Build every half (each wraps its method when its vLLM module is imported); returns
+    their handles. Nothing is wrapped when `sampler.logits` is disabled or its `abort_on` is
+    empty: decided here, once.
+
+    The runner halves run in the worker process at every sampling step, where the vLLM
+    profile's heartbeat (the model's `LogitsProcessor.forward`) runs: the liveness self-check
+    watches them, as alternatives (a worker builds one runner; both modules may be imported).
+    The scheduler half runs in the engine-core process, which holds the worker only under the
+    single-process executor: it is not watched (a worker of the multiprocess executor beats
+    and never schedules)."""
+    enabled = guards.is_enabled(SITE) and bool(guards.settings.site_settings(SITE).abort_flags)
     return [
-        MethodHook(guards, HOOK, RUNNER_V2_MODULE, RUNNER_V2_TARGET, _RunnerV2Half(guards)),
-        MethodHook(guards, HOOK, RUNNER_MODULE, RUNNER_TARGET, _RunnerHalf(guards)),
-        MethodHook(guards, HOOK, SCHEDULER_MODULE, SCHEDULER_TARGET, _SchedulerHalf()),
+        MethodHook(
+            guards,
+            HOOK,
+            RUNNER_V2_MODULE,
+            RUNNER_V2_TARGET,
+            _RunnerV2Half(guards),
+            enabled,
+            expect_calls=True,
+            when="vllm>=0.33",
+        ),
+        MethodHook(
+            guards,
+            HOOK,
+            RUNNER_MODULE,
+            RUNNER_TARGET,
+            _RunnerHalf(guards),
+            enabled,
+            expect_calls=True,
+        ),
+        MethodHook(guards, HOOK, SCHEDULER_MODULE, SCHEDULER_TARGET, _SchedulerHalf(), enabled),
     ]
 
 

@@ -153,20 +153,24 @@ def block_hasher(config):  # type: ignore[no-untyped-def]
     return get_request_block_hasher(BLOCK_SIZE, hash_fn, config.num_hash_lookahead_tokens)
 
 
-def profile_settings(**overrides: object) -> gr.GuardSettings:
-    return gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(PROFILE)}, **overrides)
+def profile_settings(profile: Path = PROFILE, **overrides: object) -> gr.GuardSettings:
+    return gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(profile)}, **overrides)
 
 
 @contextmanager
-def guarded(**overrides: object) -> Iterator[gr.Guardrails]:
-    """A fresh Guardrails with the vLLM profile's [[attach]] entries applied in-process (as
-    `guardrails run` does; vLLM's classes are patched) and removed on leaving."""
-    guards = gr.Guardrails(profile_settings(**overrides), registry=CollectorRegistry())
+def guarded(
+    profile: Path = PROFILE, registry: CollectorRegistry | None = None, **overrides: object
+) -> Iterator[gr.Guardrails]:
+    """A fresh Guardrails with the vLLM profile's [[attach]] entries (and its heartbeat)
+    applied in-process (as `guardrails run` does; vLLM's classes are patched) and removed on
+    leaving."""
+    registry = CollectorRegistry() if registry is None else registry
+    guards = gr.Guardrails(profile_settings(profile, **overrides), registry=registry)
     handles = guards.attach_configured()
     try:
         yield guards
     finally:
-        for handle in handles:
+        for handle in [*handles, *guards.heartbeats()]:
             handle.remove()
         guards.close()
 
