@@ -264,6 +264,7 @@ class _SchedulerHalf:
 
     def __init__(self) -> None:
         self._failed = OnceLog(HOOK, SCHEDULER_TARGET)
+        self._evict_failed = OnceLog(HOOK, "KVCacheManager.evict_blocks")
 
     def __call__(self, wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -317,7 +318,10 @@ class _SchedulerHalf:
 
         # Before the blocks are freed: freed, they keep their hashes and serve the next
         # request with the same prefix (vLLM #55766, "retries fail the same way").
-        self._evict(scheduler, poisoned)
+        try:
+            self._evict(scheduler, poisoned)
+        except Exception as exc:  # the request still ends
+            self._evict_failed(exc)
         for request in scheduler.finish_requests(poisoned, RequestStatus.FINISHED_ERROR):
             request.num_nans_in_logits = max(
                 request.num_nans_in_logits, poisoned[request.request_id]

@@ -99,8 +99,9 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 
 
-def vllm_config(model_dir: Path):  # type: ignore[no-untyped-def]
-    """A VllmConfig of a local config.json (written into `model_dir`), on the CPU device."""
+def vllm_config(model_dir: Path, *, async_scheduling: bool = False):  # type: ignore[no-untyped-def]
+    """A VllmConfig of a local config.json (written into `model_dir`), on the CPU device.
+    vLLM 0.33.0 turns async scheduling on by default; the tests say which they run."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
@@ -115,12 +116,15 @@ def vllm_config(model_dir: Path):  # type: ignore[no-untyped-def]
         device_config=DeviceConfig(device="cpu"),
     )
     config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine core sets after profiling
+    config.scheduler_config.async_scheduling = async_scheduling
     return config
 
 
 def scheduler(config):  # type: ignore[no-untyped-def]
     """vLLM's own Scheduler (with its KVCacheManager and BlockPool, prefix caching on, as
-    vLLM defaults) over a KV cache of NUM_BLOCKS blocks of one full-attention group."""
+    vLLM defaults) over a KV cache of NUM_BLOCKS blocks of one full-attention group; its
+    AsyncScheduler when the config says async_scheduling, as vLLM picks the class."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -133,7 +137,8 @@ def scheduler(config):  # type: ignore[no-untyped-def]
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
     )
-    return Scheduler(
+    cls = AsyncScheduler if config.scheduler_config.async_scheduling else Scheduler
+    return cls(
         config,
         kv,
         StructuredOutputManager(config),

@@ -152,10 +152,25 @@ class Engine:
         )
         self.scheduler.add_request(request)
 
-    def step(self, logits: Mapping[str, torch.Tensor] | None = None, *, vocab: int = VOCAB) -> Step:
-        """One engine step; `logits[req_id]` is what the model produces for that request: a
-        row, or one row per logit under speculative decoding (the other rows: seeded random
-        logits)."""
+    def step(self, logits: Mapping[str, torch.Tensor] | None = None) -> Step:
+        """One engine step (sync scheduling); `logits[req_id]` is what the model produces for
+        that request: a row, or one row per logit under speculative decoding (the other
+        rows: seeded random logits)."""
+        return self.update(self.execute(self.scheduler.schedule(), logits))
+
+    def update(self, step: Step) -> Step:
+        """The engine core's update_from_output of an executed step (and post_step)."""
+        step.engine_outputs = self.scheduler.update_from_output(step.scheduled, step.output)
+        if self.runner.speculator is not None:
+            # EngineCore.post_step (sync scheduling): the drafts for the next step.
+            drafts = self.runner.take_draft_token_ids()
+            if drafts is not None:
+                self.scheduler.update_draft_token_ids(drafts)
+        return step
+
+    def execute(self, scheduled: Any, logits: Mapping[str, torch.Tensor] | None = None) -> Step:
+        """The worker's execute_model and sample_tokens, and the executor's get_output, for
+        a scheduled step."""
         from vllm.config import set_current_vllm_config
         from vllm.config.compilation import CUDAGraphMode
         from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
@@ -163,7 +178,7 @@ class Engine:
 
         logits = logits or {}
         runner = self.runner
-        scheduled = self.scheduler.schedule()
+        vocab = VOCAB
         with set_current_vllm_config(self.config), torch.inference_mode():
             # execute_model's request-state updates, then its input preparation.
             runner.finish_requests(scheduled)
@@ -199,13 +214,7 @@ class Engine:
                 num_spec_tokens_to_schedule=scheduled.num_spec_tokens_to_schedule,
             )
             output = runner.sample_tokens(None).get_output()
-        engine_outputs = self.scheduler.update_from_output(scheduled, output)
-        if runner.speculator is not None:
-            # EngineCore.post_step (sync scheduling): the drafts for the next step.
-            drafts = runner.take_draft_token_ids()
-            if drafts is not None:
-                self.scheduler.update_draft_token_ids(drafts)
-        return Step(scheduled, batch, output, engine_outputs)
+        return Step(scheduled, batch, output, None)
 
 
 class DrafterStandIn:
@@ -226,23 +235,27 @@ class Step:
     scheduled: Any
     batch: Any  # the InputBatch prepare_inputs made
     output: Any  # ModelRunnerOutput, as the executor hands it to the engine core
-    engine_outputs: Any
+    engine_outputs: Any  # update_from_output's, once the engine core has run it
 
     def by_id(self) -> dict[str, Any]:
         return {o.request_id: o for eco in self.engine_outputs.values() for o in eco.outputs}
 
 
 @contextmanager
-def engine(tmp: Path, *, speculative_tokens: int = 0) -> Iterator[Engine]:
+def engine(
+    tmp: Path, *, speculative_tokens: int = 0, async_scheduling: bool = False
+) -> Iterator[Engine]:
     """A fresh V2 runner (load_model with the LogitsModel stand-in) and scheduler; with
     `speculative_tokens`, vLLM's n-gram speculative decoding (prompt lookup: no draft model),
-    so that V2 verifies drafts with its RejectionSampler."""
+    so that V2 verifies drafts with its RejectionSampler; with `async_scheduling`, vLLM's
+    AsyncScheduler (the engine core then schedules a step before the previous one's output is
+    in: `execute` and `update` apart)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from ..faults import block_hasher, scheduler
 
-    config = vllm_config(tmp)
+    config = vllm_config(tmp, async_scheduling=async_scheduling)
     if speculative_tokens:
         from vllm.config import SpeculativeConfig
 

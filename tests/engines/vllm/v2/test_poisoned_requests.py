@@ -131,6 +131,38 @@ def test_unguarded_v2_hands_out_the_token_of_an_all_inf_row(outcome, v2) -> None
     )
 
 
+def test_under_async_scheduling_the_poisoned_request_ends_before_its_next_token_leaves(  # type: ignore[no-untyped-def]
+    outcome, tmp_path
+) -> None:
+    """vLLM's AsyncScheduler, stepped as the engine core's batch queue does: step 2 is
+    scheduled (the poisoned request still in it) before step 1's output is in."""
+    with engine(tmp_path, async_scheduling=True) as v2, hooked():
+        assert type(v2.scheduler).__name__ == "AsyncScheduler"
+        for req_id in REQS:
+            v2.add(req_id, PROMPT, temperature=0.0)
+        first = v2.execute(v2.scheduler.schedule(), {POISONED: fault_row("all-NaN row")})
+        ahead = v2.scheduler.schedule()
+        assert POISONED in ahead.num_scheduled_tokens
+        v2.update(first)
+        second = v2.update(v2.execute(ahead))
+        third = v2.scheduler.schedule()
+    got = first.by_id()
+    assert str(got[POISONED].finish_reason) == "error"
+    assert got[POISONED].new_token_ids == []
+    # Its token from the step scheduled ahead is dropped by vLLM: the request is finished.
+    assert POISONED not in second.by_id()
+    assert [len(second.by_id()[r].new_token_ids) for r in ("r0", HEALABLE)] == [1, 1]
+    assert POISONED not in third.num_scheduled_tokens
+    outcome(
+        component="V2 GPUModelRunner.sample -> AsyncScheduler.update_from_output",
+        dtype="float32",
+        mode="greedy, async scheduling (next step scheduled ahead)",
+        fault="all-NaN row",
+        unguarded="(see the sync case)",
+        guarded="no token in either step, finish_reason=error, not scheduled again",
+    )
+
+
 def long_prompt(seed: int) -> list[int]:
     """Two full KV blocks and a partial one: prefix caching stores the full ones."""
     g = torch.Generator().manual_seed(seed)
