@@ -232,3 +232,20 @@ def test_a_failure_of_the_v2_half_leaves_the_step_as_if_unhooked(  # type: ignor
     assert [len(got[r].new_token_ids) for r in REQS] == [1, 1, 1]
     assert "guardrails.hook_error" in caplog.text
     assert "a bug in guardrails" in caplog.text
+
+
+def test_a_failed_eviction_still_ends_the_poisoned_request(v2, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    from guardrails.integrations import vllm as hook
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no kv_cache_manager here")
+
+    monkeypatch.setattr(hook._SchedulerHalf, "_evict", staticmethod(broken))
+    for req_id in REQS:
+        v2.add(req_id, PROMPT, temperature=0.0)
+    with caplog.at_level(logging.WARNING, logger="guardrails"), hooked():
+        got = v2.step({POISONED: fault_row("all-NaN row")}).by_id()
+    assert str(got[POISONED].finish_reason) == "error"
+    assert got[POISONED].new_token_ids == []
+    assert "KVCacheManager.evict_blocks" in caplog.text
+    assert "no kv_cache_manager here" in caplog.text
