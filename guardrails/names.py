@@ -45,7 +45,8 @@ KNOWN_SITES: Final[Mapping[str, str]] = {
 # `Guardrails.install_hooks()`. Only these names are accepted: nothing named in a config
 # file is imported or evaluated beyond this table.
 KNOWN_HOOKS: Final[Mapping[str, str]] = {
-    # vLLM V1: end a request whose logits had no valid token with finish_reason="error".
+    # vLLM (V1 engine, both model runners): end a request whose logits had no valid token
+    # with finish_reason="error", its KV evicted from the prefix cache.
     "vllm.end_poisoned_requests": "guardrails.integrations.vllm:end_poisoned_requests",
     # SGLang: end a request whose sampler.logits row matches abort_on through SGLang's own
     # FINISH_ABORT (HTTP 503), its KV kept out of the prefix cache.
