@@ -69,3 +69,13 @@ def test_the_transformers_profiles_resolve_against_the_installed_transformers(st
     for entry in settings_of(PROFILES / f"{stem}.toml").attach:
         report = inspect_point(AttachPoint.from_settings(entry))
         assert report.status == "ok", report.message
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.stem)
+def test_every_profile_names_a_heartbeat_of_its_engine(path: Path) -> None:
+    # The liveness self-check: without one an attach point nobody calls would be silent.
+    heartbeat = settings_of(path).heartbeat
+    assert heartbeat
+    for text in heartbeat:
+        assert parse_target(text).module.split(".")[0] == path.stem.split("-")[0]
+    assert not [n for n in settings_of(path).notices if "heartbeat" in str(n)]
