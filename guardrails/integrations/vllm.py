@@ -41,11 +41,13 @@ Any exception of ours is logged once and the engine's call goes on as if unhooke
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from guardrails.flags import RowFlag
 from guardrails.integrations._hooks import MethodHook, OnceLog
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ SCHEDULER_MODULE: Final = "vllm.v1.core.sched.scheduler"
 SCHEDULER_TARGET: Final = "Scheduler.update_from_output"
 # _bookkeeping_sync returns (num_nans_in_logits, num_nans, ..., req_id_to_index, ...).
 _NANS_DICT, _NANS_DEVICE, _REQ_ID_TO_INDEX = 0, 1, 6
+_NAN: Final = int(RowFlag.NAN)
 
 
 def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
@@ -101,10 +104,30 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     ]
 
 
-def _abort_marks(guards: Guardrails, flags: torch.Tensor) -> torch.Tensor:
+def _abort_marks(
+    guards: Guardrails, flags: torch.Tensor, *, checked_by_vllm: bool = False
+) -> torch.Tensor:
     """Rows whose flags intersect the site's abort_on, as a new bool tensor (enqueued now:
-    the flags buffer is rewritten by the site's next call)."""
-    return flags.bitwise_and(guards.settings.site_settings(SITE).abort_flags).ne(0)
+    the flags buffer is rewritten by the site's next call).
+
+    `checked_by_vllm`: the marks go into device NaN counts that vLLM itself checks under
+    VLLM_RAISE_ON_LOGIT_NANS=1 (V2, and V1 under async scheduling), and raises for. There
+    only rows that held NaN are marked, so vLLM raises where its own check would have found
+    NaN had guardrails not healed it first, never for a row that was all -inf (a grammar
+    over-mask holds no NaN): in that mode such a row is healed and counted, not ended."""
+    marks = flags.bitwise_and(guards.settings.site_settings(SITE).abort_flags).ne(0)
+    if checked_by_vllm and _vllm_raises_on_nans():
+        marks.logical_and_(flags.bitwise_and(_NAN).ne(0))
+    return marks
+
+
+def _vllm_raises_on_nans() -> bool:
+    # Read as vllm.envs reads it (bool(int(...))), without importing vLLM; the engine's own
+    # start-up fails on a malformed value before any step runs.
+    try:
+        return bool(int(os.environ.get("VLLM_RAISE_ON_LOGIT_NANS", "0")))
+    except ValueError:
+        return False
 
 
 class _RunnerV2Half:
@@ -158,7 +181,7 @@ class _RunnerV2Half:
                 "batch-sharded sampling (enable_batch_sharded_sampling) is not supported: "
                 "poisoned requests are healed and counted, not ended"
             )
-        marks = _abort_marks(self._guards, found[1]).to(torch.int32)
+        marks = _abort_marks(self._guards, found[1], checked_by_vllm=True).to(torch.int32)
         output = result[0]
         num_reqs = int(input_batch.num_reqs)
         nans = output.num_nans
@@ -217,9 +240,9 @@ class _RunnerHalf:
             return None, None  # no sampler call since the last step (pooling, a dummy run)
         local.seen, flags = found
         # Async scheduling runs the next step's sampler before this step's output is read.
-        marks = _abort_marks(self._guards, flags)
         if getattr(runner, "use_async_scheduling", False):
-            return marks, None
+            return _abort_marks(self._guards, flags, checked_by_vllm=True), None
+        marks = _abort_marks(self._guards, flags)
         mirror = self._mirror(marks)
         mirror.copy_(marks, non_blocking=True)
         return marks, mirror

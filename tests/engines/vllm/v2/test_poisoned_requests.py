@@ -249,3 +249,34 @@ def test_a_failed_eviction_still_ends_the_poisoned_request(v2, monkeypatch, capl
     assert got[POISONED].new_token_ids == []
     assert "KVCacheManager.evict_blocks" in caplog.text
     assert "no kv_cache_manager here" in caplog.text
+
+
+@pytest.mark.parametrize("fault", ["all -inf row", "all-NaN row"])
+def test_with_vllms_raise_on_nans_only_a_row_that_held_nan_makes_vllm_raise(  # type: ignore[no-untyped-def]
+    outcome, tmp_path, monkeypatch, fault
+) -> None:
+    """VLLM_RAISE_ON_LOGIT_NANS=1 (vLLM's CI mode) raises for any NaN count in V2's report.
+    The hook's marks ride those counts: an all -inf row (a grammar over-mask, no NaN in it)
+    must not make vLLM raise (issue 21, defect 7); an all-NaN row raises, as vLLM's own check
+    would have without guardrails healing the row first."""
+    monkeypatch.setenv("VLLM_RAISE_ON_LOGIT_NANS", "1")
+    with engine(tmp_path) as v2, hooked() as guards:
+        for req_id in REQS:
+            v2.add(req_id, PROMPT, temperature=0.0)
+        if fault == "all-NaN row":
+            with pytest.raises(RuntimeError, match="NaNs detected in logits"):
+                v2.step({POISONED: fault_row(fault)})
+            observed = "vLLM raised (its CI mode), as for NaN logits"
+        else:
+            got = v2.step({POISONED: fault_row(fault)}).by_id()
+            assert got[POISONED].finish_reason is None  # healed and counted, not ended here
+            assert guards.count("sampler.logits", "rows_no_valid_token") == 1
+            observed = "no raise: healed and counted (not ended in this mode)"
+    outcome(
+        component="V2 GPUModelRunner.sample, VLLM_RAISE_ON_LOGIT_NANS=1",
+        dtype="float32",
+        mode="greedy",
+        fault=fault,
+        unguarded="(vLLM raises only for NaN it counts)",
+        guarded=observed,
+    )
