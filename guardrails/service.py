@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from guardrails.attach.handles import GuardedFunction, Handle, attach_module
-from guardrails.attach.liveness import HeartbeatHandle, Liveness, Watched
+from guardrails.attach.liveness import HeartbeatHandle, Liveness, Watched, heartbeat_points
 from guardrails.attach.patching import AttachErrors, GuardErrors, PatchHandle
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.distribution import clash_advice, other_owners
@@ -37,7 +37,6 @@ from guardrails.logs import HostLogger
 from guardrails.names import validate_site_name
 from guardrails.reporting.reporter import Reporter
 from guardrails.settings import GuardSettings
-from guardrails.settings.targets import Ref, parse_target
 from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite
 
 if TYPE_CHECKING:
@@ -282,13 +281,7 @@ class Guardrails:
             watched=self._watched,
             report=self._reporter.liveness,
         )
-        for text in settings.heartbeat:
-            point = AttachPoint(
-                site="heartbeat",
-                target=parse_target(text),
-                tensor=Ref("return"),
-                origin=settings.origin("heartbeat"),
-            )
+        for point in heartbeat_points(settings):
             handle = HeartbeatHandle(
                 point, self._liveness, self._on_attach_error(point, on_error), lambda: self.closed
             )

@@ -29,13 +29,17 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from guardrails.attach.patching import ImportPatch, around
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved
+from guardrails.settings.targets import Ref, parse_target
 
-__all__ = ["HeartbeatHandle", "Liveness", "Observation", "Watched"]
+if TYPE_CHECKING:
+    from guardrails.settings import GuardSettings
+
+__all__ = ["HeartbeatHandle", "Liveness", "Observation", "Watched", "heartbeat_points"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,20 @@ class Liveness:
                 self._silent.discard(item.name)
             out.append(Observation(item, silent, first, now - since))
         return out
+
+
+def heartbeat_points(settings: GuardSettings) -> list[AttachPoint]:
+    """The settings' heartbeat targets as attach points (site "heartbeat", nothing guarded):
+    what `Guardrails.attach_configured()` wraps and `guardrails check` resolves."""
+    return [
+        AttachPoint(
+            site="heartbeat",
+            target=parse_target(text),
+            tensor=Ref("return"),
+            origin=settings.origin("heartbeat"),
+        )
+        for text in settings.heartbeat
+    ]
 
 
 class HeartbeatHandle(ImportPatch):

@@ -190,22 +190,16 @@ def _check_points(
 def _check_heartbeat(settings: GuardSettings, *, strict: bool, warnings: list[str]) -> list[str]:
     """The heartbeat resolves like an attach target: without it, an attach point on a method
     the engine never calls would guard nothing without a word."""
+    from guardrails.attach.liveness import heartbeat_points
     from guardrails.attach.patching import inspect_point
-    from guardrails.attach.points import AttachPoint
-    from guardrails.settings.targets import Ref, parse_target
 
     errors: list[str] = []
     if not settings.heartbeat:
         print(f"  {'heartbeat':<13} none     (the liveness self-check is off)")
         return errors
     print(f"  {'liveness':<13} every {settings.liveness_steps} heartbeat calls")
-    for text in settings.heartbeat:
-        point = AttachPoint(
-            site="heartbeat",
-            target=parse_target(text),
-            tensor=Ref("return"),
-            origin=settings.origin("heartbeat"),
-        )
+    for point in heartbeat_points(settings):
+        text = str(point.target)
         report = inspect_point(point)
         if report.status == "ok":
             print(f"  {'heartbeat':<13} ok       {text}")
