@@ -15,13 +15,16 @@ __all__ = [
     "EVENT_NAMES",
     "GUARD_ERROR_EVENT",
     "HOOK_ACTS_ON",
+    "HOOK_ERROR_EVENT",
     "KNOWN_HOOKS",
     "KNOWN_SITES",
     "LOGGER_NAME",
+    "METRICS_SERVED_ELSEWHERE_EVENT",
     "NONFINITE_EVENT",
     "NO_VALID_TOKEN_EVENT",
     "OOB_EVENT",
     "REPORTING_ERROR_EVENT",
+    "REQUEST_ABORTED_EVENT",
     "SITE_NOT_CALLED_EVENT",
     "STARTED_EVENT",
     "validate_site_name",
@@ -81,6 +84,12 @@ STARTED_EVENT: Final = "guardrails.started"  # once per Guardrails: what guards,
 # An attached site (or a hook half) the engine did not call while the heartbeat ran
 # liveness_steps times: it is on no path this engine runs, so it guards nothing.
 SITE_NOT_CALLED_EVENT: Final = "guardrails.site_not_called"
+# An engine hook's own code failed at run time: counted, logged once per part, call unhooked.
+HOOK_ERROR_EVENT: Final = "guardrails.hook_error"
+# An engine hook ended requests through the engine's own path (a count, never request ids).
+REQUEST_ABORTED_EVENT: Final = "guardrails.request_aborted"
+# GUARDRAILS_METRICS_PORT is served by another process of the same process tree.
+METRICS_SERVED_ELSEWHERE_EVENT: Final = "guardrails.metrics_served_elsewhere"
 EVENT_NAMES: Final = (
     NONFINITE_EVENT,
     NO_VALID_TOKEN_EVENT,
@@ -90,6 +99,9 @@ EVENT_NAMES: Final = (
     ATTACH_ERROR_EVENT,
     SITE_NOT_CALLED_EVENT,
     STARTED_EVENT,
+    HOOK_ERROR_EVENT,
+    REQUEST_ABORTED_EVENT,
+    METRICS_SERVED_ELSEWHERE_EVENT,
 )
 
 

@@ -35,6 +35,7 @@ from guardrails.exceptions import Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger
 from guardrails.names import validate_site_name
+from guardrails.reporting.hook_errors import HookErrors
 from guardrails.reporting.reporter import Reporter
 from guardrails.settings import GuardSettings
 from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite
@@ -84,6 +85,8 @@ class Guardrails:
         # Attach points and hooks that could not be applied: counted and logged, not fatal
         # (unless strict_attach).
         self._attach_errors = AttachErrors(registry, host_logger, labels)
+        # Engine hooks' own failures at run time: counted, logged once per part, not fatal.
+        self._hook_errors = HookErrors(registry, host_logger, labels)
         # Dropped without close(): flush when collected, or at exit. A bound method of the
         # reporter, never of self, so that it does not keep this instance alive.
         self._finalizer = weakref.finalize(self, self._reporter.flush)
@@ -400,6 +403,11 @@ class Guardrails:
     def attach_errors(self) -> AttachErrors:
         """Where this instance counts attach points and hooks that could not be applied."""
         return self._attach_errors
+
+    @property
+    def hook_errors(self) -> HookErrors:
+        """Where this instance's engine hooks count their own failures."""
+        return self._hook_errors
 
     def patches(self) -> list[PatchHandle]:
         """Import-path patches made through this instance: applied, pending or disabled."""

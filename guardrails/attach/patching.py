@@ -115,7 +115,7 @@ class GuardErrors(_Recorder):
 
         for reason in GUARD_ERROR_REASONS:
             with contextlib.suppress(Exception):  # retried at the first increment
-                self._child(site, reason)
+                self._child(site, reason).create()
 
     def record(self, point: AttachPoint, reason: str, error: BaseException) -> None:
         """Count one unguarded call of `point`; log the first of each (site, reason)."""
@@ -142,7 +142,8 @@ class GuardErrors(_Recorder):
         child = self._series.get(key)
         if child is None:
             if self._family is None:
-                # Late: prometheus-client is imported by the service first, never at import.
+                # Late, and lazy: the series wait for the process's metrics to open
+                # (guardrails.reporting.metrics); nothing here imports prometheus-client.
                 from guardrails.reporting.metrics import guard_metrics, resolve_rank
 
                 self._rank = resolve_rank()

@@ -72,7 +72,9 @@ def entries(settings: GuardSettings) -> Iterator[tuple[tuple[str | int, ...], An
     for table in ("reporting", "metrics"):
         model = getattr(settings, table)
         for key in type(model).model_fields:
-            yield (table, key), getattr(model, key), source(table, key)
+            value = getattr(model, key)
+            if value is not None:  # metrics.dir unset: nothing to reproduce
+                yield (table, key), value, source(table, key)
     for site, config in settings.sites.items():
         for key in type(config).model_fields:
             yield ("sites", site, key), getattr(config, key), source("sites", site, key)

@@ -32,7 +32,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from guardrails.integrations.launcher import launch, prepare
+    from guardrails.integrations.launcher import launch, own_metrics_dir, prepare
 
     argv = list(args.command)
     if argv and argv[0] == "--":
@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         print("guardrails run: no command given (guardrails run -- COMMAND ...)", file=sys.stderr)
         return 2
     env, _ = prepare(os.environ, config_file=args.config)  # ConfigError: exit 2, nothing runs
+    env = own_metrics_dir(env)
     try:
         launch(argv, env)
     except FileNotFoundError:

@@ -1,27 +1,28 @@
 """What the engine hooks share: one wrapped engine method that waits for its module's import,
-and the once-only report of a hook's own failure.
+and the report of a hook's own failure.
 
 A hook (`guardrails.names.KNOWN_HOOKS`) is guardrails' own code around an engine method, for
 what an `[[attach]]` point cannot do (ending a request). It must never be what breaks the
 engine: a method that does not resolve is counted in `guardrails_attach_errors_total` and
-logged, and any exception of the hook's own is logged once and the engine's call goes on as
-if unhooked.
+logged, and any exception of the hook's own is counted in
+`guardrails_hook_errors_total{hook, rank}` (every time; the series exists at 0 once the hook
+applies), logged once per part as `guardrails.hook_error` through the host's logging
+(`guardrails.logs.HostLogger`), and the engine's call goes on as if unhooked.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import wrapt
 
+from guardrails.reporting.hook_errors import HookErrors
+
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
 
-__all__ = ["MethodHook", "OnceLog"]
-
-_log = logging.getLogger("guardrails")
+__all__ = ["HookErrors", "MethodHook", "OnceLog"]
 
 
 class MethodHook:
@@ -114,6 +115,7 @@ class MethodHook:
             self._wrapper = owner.__dict__.get(method)
             self._owner, self._method = owner, method
             self.state = "applied"
+            self._guards.hook_errors.prepare(self.hook)
         except Exception as exc:
             self.state = "error"
             self._guards.attach_errors.record(site=self.hook, target=self.path, error=exc)
@@ -137,21 +139,27 @@ class MethodHook:
 
 
 class OnceLog:
-    """Log a hook's own failure once per part, then count silently (never raise)."""
+    """Report a hook's own failure: counted every time, logged once per part, never raised.
 
-    def __init__(self, hook: str, what: str) -> None:
+    `guards`: the owning `Guardrails` (its registry, constant labels and logger); without it,
+    the process's default series and the host's logging."""
+
+    def __init__(self, hook: str, what: str, guards: Guardrails | None = None) -> None:
         self.hook = hook
         self.what = what
         self.failures = 0
+        self._errors: HookErrors = HookErrors() if guards is None else guards.hook_errors
 
     def __call__(self, exc: BaseException) -> None:
         self.failures += 1
-        if self.failures == 1:
-            _log.warning(
-                "guardrails.hook_error hook=%s part=%s error=%s: %s (the engine goes on "
-                "unhooked for this call; logged once)",
-                self.hook,
-                self.what,
-                type(exc).__name__,
-                exc,
-            )
+        self._errors.record(self.hook, self.what, exc, log=self.failures == 1)
+
+    @property
+    def logger(self) -> Any:
+        """The owner's logger, for a hook's other events."""
+        return self._errors.logger
+
+    @property
+    def rank(self) -> str:
+        """The `rank` label of the owner's hook series."""
+        return self._errors.rank

@@ -2,12 +2,18 @@
 
 Launcher side (`prepare`): validate the settings the command will see (environment plus
 config file, `[[attach]]` syntax included) and fail before anything starts; then put the
-bootstrap directory first on `PYTHONPATH` and replace the launcher with the command
-(`exec`). The environment dict is built for the command; `os.environ` is never written.
+bootstrap directory first on `PYTHONPATH`, give the process tree a fresh metrics directory
+(`own_metrics_dir`: `GUARDRAILS_METRICS_DIR`, when unset) and replace the launcher with the
+command (`exec`). The environment dict is built for the command; `os.environ` is never
+written.
 
 Process side (`bootstrap`, run by the bootstrap `sitecustomize`): build the process-wide
 `guardrails.default()` from the environment, apply its attach points (pending ones apply
 when their module is imported), install the configured engine hooks, and close it at exit.
+Nothing here imports prometheus_client (see `guardrails.reporting.metrics`): the engine makes
+its own multiprocess choice after interpreter start. The first process of the tree (the
+command itself: exec keeps the launcher's pid) removes the tree's metrics directory at exit,
+when the launcher made it.
 
 A bad configuration ends the process at once with status 2 and the message on stderr: a
 guard that silently did not install would be worse than no start. An attach point or hook
@@ -25,7 +31,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -36,10 +44,23 @@ from guardrails.settings import GuardSettings
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
 
-__all__ = ["BOOTSTRAP_DIR", "EXIT_CONFIG", "bootstrap", "installed", "launch", "prepare"]
+__all__ = [
+    "BOOTSTRAP_DIR",
+    "EXIT_CONFIG",
+    "TREE_OWNER",
+    "bootstrap",
+    "installed",
+    "launch",
+    "own_metrics_dir",
+    "prepare",
+]
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 EXIT_CONFIG = 2  # also what `guardrails` exits with on a ConfigError
+
+# In a metrics directory the launcher made: the pid of the process that removes it at exit.
+# Not *.db: prometheus-client's collectors read only those.
+TREE_OWNER = ".guardrails-tree-owner"
 
 _installed: Guardrails | None = None
 
@@ -63,6 +84,36 @@ def prepare(
     bootstrap = str(BOOTSTRAP_DIR)
     env["PYTHONPATH"] = os.pathsep.join([bootstrap, *(p for p in entries if p != bootstrap)])
     return env, settings
+
+
+def own_metrics_dir(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with `GUARDRAILS_METRICS_DIR` naming a fresh, empty directory for the process
+    tree, unless it is set already (then the directory is the caller's to wipe).
+
+    Every guardrails process of the tree whose host has no multiprocess directory of its own
+    writes its series there, and the engine's /metrics (or GUARDRAILS_METRICS_PORT) shows the
+    whole tree's. Called in the launcher, whose pid the command keeps: that process removes
+    the directory at exit (`TREE_OWNER`)."""
+    out = dict(env)
+    if out.get("GUARDRAILS_METRICS_DIR"):
+        return out
+    path = tempfile.mkdtemp(prefix="guardrails-metrics-")
+    with open(os.path.join(path, TREE_OWNER), "w", encoding="ascii") as owner:
+        owner.write(str(os.getpid()))
+    out["GUARDRAILS_METRICS_DIR"] = path
+    return out
+
+
+def _remove_at_exit_if_owned(path: str | os.PathLike[str] | None) -> None:
+    if path is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(path, TREE_OWNER), encoding="ascii") as owner:
+            if int(owner.read(32)) != os.getpid():
+                return
+        # Registered before `guards.close` is: exit handlers run last-in first-out, so the
+        # final counts are written before the directory goes.
+        atexit.register(shutil.rmtree, os.fspath(path), ignore_errors=True)
 
 
 def launch(argv: Sequence[str], env: Mapping[str, str]) -> NoReturn:
@@ -92,6 +143,7 @@ def bootstrap() -> Guardrails:
         guards = default()
     except Exception as exc:  # a ConfigError, or anything else that leaves it unguarded
         _die(exc)
+    _remove_at_exit_if_owned(guards.settings.metrics.dir)
     strict = guards.settings.strict_attach
     try:
         guards.attach_configured(on_error=_die if strict else None)

@@ -38,7 +38,7 @@ do not map one to one onto requests; its logits are healed, not ended), and with
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import threading
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Final
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 
 from guardrails.integrations._hooks import MethodHook, OnceLog
+from guardrails.names import REQUEST_ABORTED_EVENT
 
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
@@ -71,8 +72,6 @@ ABORT_MESSAGE: Final = (
 ABORT_STATUS: Final = HTTPStatus.SERVICE_UNAVAILABLE
 ABORT_ERR_TYPE: Final = "ServiceUnavailableError"
 
-_log = logging.getLogger("guardrails")
-
 
 def abort_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     """Install the sampler half and both scheduler halves (each when its SGLang module is
@@ -80,7 +79,7 @@ def abort_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     or its `abort_on` is empty: decided here, once."""
     enabled = guards.is_enabled(SITE) and bool(guards.settings.site_settings(SITE).abort_flags)
     sampler = _SamplerHalf(guards)
-    scheduler = _SchedulerHalf()
+    scheduler = _SchedulerHalf(guards)
     # Both run in the scheduler process at every sampling step (where the heartbeat,
     # ModelRunner.sample, runs): each is watched by the liveness self-check, the two result
     # processors as alternatives of one another.
@@ -112,7 +111,7 @@ class _SamplerHalf:
     def __init__(self, guards: Guardrails) -> None:
         self._guards = guards
         self._mask = guards.settings.site_settings(SITE).abort_flags
-        self._failed = OnceLog(HOOK, SAMPLER_TARGET)
+        self._failed = OnceLog(HOOK, SAMPLER_TARGET, guards)
         self._local = threading.local()
 
     def __call__(self, wrapped: Any, sampler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -154,8 +153,8 @@ class _SamplerHalf:
 class _SchedulerHalf:
     """Before SGLang processes a step's results: abort the requests of the marked rows."""
 
-    def __init__(self) -> None:
-        self._failed = OnceLog(HOOK, "SchedulerBatchResultProcessor.process_batch_result_*")
+    def __init__(self, guards: Guardrails | None = None) -> None:
+        self._failed = OnceLog(HOOK, "SchedulerBatchResultProcessor.process_batch_result_*", guards)
 
     def __call__(self, wrapped: Any, processor: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -197,10 +196,13 @@ class _SchedulerHalf:
             aborted += 1
         if aborted:
             # A count, never the request ids: logs carry no request data (docs/reliability.md).
-            _log.warning(
-                "guardrails.request_aborted hook=%s site=%s requests=%d status=%d",
-                HOOK,
-                SITE,
-                aborted,
-                int(ABORT_STATUS),
-            )
+            # Through the owner's logger (the host's logging), after the aborts are set.
+            with contextlib.suppress(Exception):
+                self._failed.logger.warning(
+                    REQUEST_ABORTED_EVENT,
+                    hook=HOOK,
+                    site=SITE,
+                    requests=aborted,
+                    status=int(ABORT_STATUS),
+                    rank=self._failed.rank,
+                )

@@ -100,7 +100,9 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
             enabled,
             expect_calls=True,
         ),
-        MethodHook(guards, HOOK, SCHEDULER_MODULE, SCHEDULER_TARGET, _SchedulerHalf(), enabled),
+        MethodHook(
+            guards, HOOK, SCHEDULER_MODULE, SCHEDULER_TARGET, _SchedulerHalf(guards), enabled
+        ),
     ]
 
 
@@ -136,7 +138,7 @@ class _RunnerV2Half:
 
     def __init__(self, guards: Guardrails) -> None:
         self._guards = guards
-        self._failed = OnceLog(HOOK, RUNNER_V2_TARGET)
+        self._failed = OnceLog(HOOK, RUNNER_V2_TARGET, guards)
 
     def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -213,7 +215,7 @@ class _RunnerHalf:
 
     def __init__(self, guards: Guardrails) -> None:
         self._guards = guards
-        self._failed = OnceLog(HOOK, RUNNER_TARGET)
+        self._failed = OnceLog(HOOK, RUNNER_TARGET, guards)
         self._local = threading.local()  # per model-runner thread: calls seen, host mirror
 
     def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -285,9 +287,9 @@ class _RunnerHalf:
 class _SchedulerHalf:
     """Scheduler side: end each request the model runner reported NaNs for, with an error."""
 
-    def __init__(self) -> None:
-        self._failed = OnceLog(HOOK, SCHEDULER_TARGET)
-        self._evict_failed = OnceLog(HOOK, "KVCacheManager.evict_blocks")
+    def __init__(self, guards: Guardrails | None = None) -> None:
+        self._failed = OnceLog(HOOK, SCHEDULER_TARGET, guards)
+        self._evict_failed = OnceLog(HOOK, "KVCacheManager.evict_blocks", guards)
 
     def __call__(self, wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:

@@ -1,25 +1,32 @@
 """The optional /metrics server, shared by owners in one process and by sibling workers.
 
 `serve()` starts prometheus-client's HTTP server for the first owner of an address and port;
-later owners share it and `release_server()` stops it when no live owner needs it. In
-prometheus-client's multiprocess mode the server exposes the aggregate of every process's
-files, and a marker file in the shared directory tells sibling workers (same port, same
-directory) that this process serves them. A sibling believes a marker only when the process it
-names is listening on that port (read from the kernel's socket table): a stale marker whose pid
-was reused, or a port held by something else, is not a sibling. `prometheus_client` is
-imported only inside functions, for the reason given in `guardrails.reporting.metrics`.
+later owners share it and `release_server()` stops it when no live owner needs it. Owners in
+one process share a port only when they show the same series (`claim()`, checked when a
+`Guardrails` is built): a second registry on a taken port would silently not be served.
+
+In a process tree (guardrails' tree directory, `GUARDRAILS_METRICS_DIR`, or the host's
+`PROMETHEUS_MULTIPROC_DIR`) the server shows guardrails' series of every process of the tree,
+summed from their files by prometheus-client's own `MultiProcessCollector.merge`, and a marker
+file in the shared directory tells the other processes (same port, same directory) that this
+process serves them. A sibling believes a marker only when the process it names is listening
+on that port (read from the kernel's socket table): a stale marker whose pid was reused, or a
+port held by something else, is not a sibling. `prometheus_client` is imported only inside
+functions, for the reason given in `guardrails.reporting.metrics`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import socket
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,13 +34,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["Serving", "multiprocess_dir", "release_server", "serve", "sibling_serves"]
+from guardrails.reporting.sinks import multiprocess_dir
 
-
-def multiprocess_dir(environ: Mapping[str, str] | None = None) -> str | None:
-    """The prometheus-client multiprocess directory, as prometheus-client itself reads it."""
-    env = os.environ if environ is None else environ
-    return env.get("PROMETHEUS_MULTIPROC_DIR") or env.get("prometheus_multiproc_dir") or None
+__all__ = [
+    "Serving",
+    "claim",
+    "multiprocess_dir",
+    "probe",
+    "release_server",
+    "serve",
+    "sibling_serves",
+]
 
 
 @dataclass
@@ -41,6 +52,29 @@ class _Served:
     server: Any
     thread: threading.Thread
     owners: weakref.WeakSet[Any]
+    marker_dir: str | None
+
+
+class _TreeFiles:
+    """guardrails' series in the files of `directories`, summed over processes by
+    prometheus-client's own merge (the host's series in a shared directory are the host's
+    /metrics' to show, not this port's)."""
+
+    def __init__(self, directories: Sequence[str]) -> None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        for path in directories:
+            # prometheus-client's own check, before anything is bound: not a directory raises.
+            MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]  # untyped upstream
+        self._directories = tuple(directories)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        files = [f for path in self._directories for f in glob.glob(os.path.join(path, "*.db"))]
+        for metric in MultiProcessCollector.merge(files, accumulate=True):  # type: ignore[no-untyped-call]
+            if metric.name.startswith("guardrails_"):
+                yield metric
 
 
 @dataclass(frozen=True)
@@ -56,14 +90,55 @@ _SERVERS: dict[tuple[str, int], _Served] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def serve(addr: str, port: int, registry: CollectorRegistry | None, owner: object) -> Serving:
+# (addr, port) -> (what is shown there, the owners that claimed it), for this process.
+_CLAIMS: dict[tuple[str, int], tuple[object, weakref.WeakSet[Any]]] = {}
+
+
+def claim(addr: str, port: int, shown: object, owner: object) -> bool:
+    """`owner` will serve `shown` (a registry, or the process's default series) on
+    `addr:port`; False when a live owner in this process shows something else there."""
+    key = (addr, port)
+    with _SERVERS_LOCK:
+        found = _CLAIMS.get(key)
+        if found is not None and found[1] and found[0] is not shown:
+            return False
+        if found is None or not found[1]:
+            found = _CLAIMS[key] = (shown, weakref.WeakSet())
+        found[1].add(owner)
+        return True
+
+
+def probe(addr: str, port: int) -> None:
+    """Raise the `OSError` binding `addr:port` would raise now, binding nothing for long.
+
+    SO_REUSEADDR, as prometheus-client's own server sets it: on Linux the probe then fails
+    only on a socket that listens there, and never makes a real server (or another
+    process's probe) fail."""
+    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    family, kind, proto, _name, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+
+
+def serve(
+    addr: str,
+    port: int,
+    registry: CollectorRegistry | None,
+    owner: object,
+    *,
+    directories: Sequence[str] = (),
+    marker_dir: str | None = None,
+) -> Serving:
     """Serve /metrics on `addr:port` for `owner`.
 
-    A second owner asking for the same address and port shares the running server. In
-    multiprocess mode the server exposes the aggregate of every process's files, as the host
-    engine's own /metrics does. A port that cannot be bound raises `OSError` (a bad address may
-    also raise `UnicodeError`, from the idna codec); a multiprocess directory that is not one
-    raises prometheus-client's `ValueError` before anything is bound.
+    A second owner asking for the same address and port shares the running server. With
+    `directories` (the files of a process tree) the server shows guardrails' series of every
+    process there, as the host engine's own /metrics does; else `registry` (None: the global
+    one). `marker_dir` is where the other processes of the tree look for the marker. A port
+    that cannot be bound raises `OSError` (a bad address may also raise `UnicodeError`, from
+    the idna codec); a directory that is not one raises prometheus-client's `ValueError`
+    before anything is bound.
     """
     from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
@@ -73,12 +148,9 @@ def serve(addr: str, port: int, registry: CollectorRegistry | None, owner: objec
         if served is not None:
             served.owners.add(owner)
             return Serving(started=False)
-        path = multiprocess_dir()
-        if path is not None:
-            from prometheus_client.multiprocess import MultiProcessCollector
-
-            exposed = CollectorRegistry()
-            MultiProcessCollector(exposed, path=path)  # type: ignore[no-untyped-call]  # untyped upstream
+        if directories:
+            exposed = CollectorRegistry(auto_describe=False)
+            exposed.register(_TreeFiles(directories))
         else:
             exposed = REGISTRY if registry is None else registry
         server, thread = start_http_server(port, addr=addr, registry=exposed)
@@ -87,11 +159,11 @@ def serve(addr: str, port: int, registry: CollectorRegistry | None, owner: objec
         owners.add(owner)
         # Registered before the marker is written: whatever happens to the marker, this
         # server has an owner that releases it (no thread serving on behind a raised error).
-        _SERVERS[key] = _Served(server, thread, owners)
+        _SERVERS[key] = _Served(server, thread, owners, marker_dir)
         marker_error = None
-        if path is not None:
+        if marker_dir is not None:
             try:
-                _write_marker(path, port)
+                _write_marker(marker_dir, port)
             except OSError as exc:
                 marker_error = exc
         return Serving(started=True, marker_error=marker_error)
@@ -131,15 +203,14 @@ def _marker_pid(path: str, port: int) -> int:
     return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else 0
 
 
-def sibling_serves(port: int, *, wait_s: float = 2.0) -> bool:
-    """Whether another process of this multiprocess deployment serves `port`.
+def sibling_serves(port: int, path: str | None, *, wait_s: float = 2.0) -> bool:
+    """Whether another process of this process tree serves `port`.
 
     The process that binds the port leaves a marker (its pid and the port) in the shared
-    PROMETHEUS_MULTIPROC_DIR, which the collector ignores (it reads only *.db files). The
-    marker is believed only if that pid is another process listening on `port`. A worker
-    that cannot bind waits briefly for the marker, since workers start together.
+    directory `path`, which the collectors ignore (they read only *.db files). The marker is
+    believed only if that pid is another process listening on `port`. A process that cannot
+    bind waits briefly for the marker, since the processes of a tree start together.
     """
-    path = multiprocess_dir()
     if path is None:
         return False
     deadline = time.monotonic() + wait_s
@@ -191,12 +262,14 @@ def release_server(owner: object) -> None:
     """`owner` no longer needs its server; stop each server no live owner needs."""
     stopped: list[_Served] = []
     with _SERVERS_LOCK:
+        for _shown, claimants in _CLAIMS.values():
+            claimants.discard(owner)
         for key, served in list(_SERVERS.items()):
             served.owners.discard(owner)
             if not served.owners:
                 stopped.append(_SERVERS.pop(key))
     for served in stopped:
-        path = multiprocess_dir()
+        path = served.marker_dir
         port = served.server.server_port
         # Only a marker this process wrote: never another process's, nor what is planted there.
         if path is not None and _marker_pid(path, port) == os.getpid():
@@ -218,6 +291,7 @@ def _forget_servers_in_child() -> None:
         with contextlib.suppress(OSError):
             served.server.socket.close()
     _SERVERS.clear()
+    _CLAIMS.clear()
 
 
 _fork_hook_installed = False

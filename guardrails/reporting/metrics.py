@@ -1,4 +1,4 @@
-"""Prometheus counters of the guarded sites.
+"""Prometheus series of guardrails, made without deciding anything for the host.
 
 Contract (metric names and labels are fixed; see the design brief):
 
@@ -11,6 +11,8 @@ Contract (metric names and labels are fixed; see the design brief):
                                                                    device, reference, error
     guardrails_attach_errors_total{site, target, rank}     an attach point or hook whose
                                                            target does not resolve
+    guardrails_hook_errors_total{hook, rank}               an engine hook's own failure at
+                                                           run time (the engine's call went on)
     guardrails_site_not_called{site, rank}                 gauge: 1 while an attached site
                                                            (or hook) sees no call as the
                                                            heartbeat runs (liveness)
@@ -19,35 +21,54 @@ Constant labels (`[metrics.labels]`, GUARDRAILS_METRICS_LABELS: the engine's `mo
 `engine`, `tp_rank`) are added to every family after these, so guardrails' series carry the
 same identifying labels as the engine's own on its /metrics endpoint.
 
-Plain `Counter`s incremented only by deltas (and one plain `Gauge`, set, in "livemax" mode),
-never a custom collector, so they work unchanged in prometheus-client's multiprocess mode
-(`PROMETHEUS_MULTIPROC_DIR`), where each process writes its own file and the host's
-`MultiProcessCollector` sums them. `prometheus_client` is imported here only inside
-functions: its multiprocess mode is fixed when it is first imported, which must be the host's
-choice, not a side effect of `import guardrails`.
+When the families are made ("the metrics open"): prometheus-client fixes its multiprocess mode
+(`values.ValueClass`) when it is first imported, and SGLang and vLLM set
+`PROMETHEUS_MULTIPROC_DIR` only after interpreter start, so nothing here imports it early.
+`guard_metrics()` returns `Family` objects whose `Series` keep their value until the metrics
+of their registry open, and from then on are plain prometheus-client children (or lines of a
+multiprocess file, `guardrails.reporting.sinks`). They open at the first of:
+
+- an explicit `registry=` (its owner imported prometheus-client: the choice is made);
+- the host's own import of prometheus-client (a post-import hook; at once when it is
+  imported already): the host's mode is then whatever the host chose;
+- the first site (`Reporter.register`): the engine samples, so its start-up is over; with
+  no host metrics at all (a plain script) guardrails imports prometheus-client itself here.
+
+So "every enabled series exists at 0 from the start" means: from the moment its site (or
+attach point, or hook) is made, as soon as the process's metrics are open; a series made before
+carries its 0 (or its counts) into the open metrics. Counts are never lost while they wait.
+Counters are incremented by deltas and the gauge set (in "livemax" mode: in multiprocess mode
+the value of the live processes, one per rank label, and a dead process's value goes with
+its file), never computed by a custom collector, so they work unchanged in prometheus-client's
+multiprocess mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from guardrails.flags import CountKind
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry, Counter, Gauge
+    from guardrails.reporting.sinks import FileSink, RegistrySink
 
 __all__ = [
     "ERROR_STAGES",
+    "FAMILIES",
     "GUARD_ERROR_REASONS",
     "METRIC_LABELS",
     "METRIC_NAMES",
     "SLOT_SERIES",
     "Family",
+    "FamilySpec",
     "GuardMetrics",
+    "Series",
     "guard_metrics",
     "resolve_rank",
 ]
@@ -68,83 +89,154 @@ ERROR_STAGES: Final = ("poll", "metrics", "logs")
 # (meta, or not the site's), the configured reference does not fit the call, or anything else.
 GUARD_ERROR_REASONS: Final = ("dtype", "shape", "layout", "device", "reference", "error")
 
-# (attribute, name without `_total`, help, labels)
-_FAMILIES: Final = (
-    (
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One metric family: `name` without `_total` for counters; a gauge needs the
+    `multiprocess_mode` prometheus-client combines processes with (e.g. "livemax")."""
+
+    attr: str
+    name: str
+    help: str
+    labels: tuple[str, ...]
+    type: str = "counter"
+    multiprocess_mode: str = ""
+
+    @property
+    def sample(self) -> str:
+        """The exported sample name."""
+        return f"{self.name}_total" if self.type == "counter" else self.name
+
+
+FAMILIES: Final = (
+    FamilySpec(
         "nonfinite_values",
         "guardrails_nonfinite_values",
         "Non-finite logits values found at a guarded site (nan, posinf; neginf where counted).",
         ("site", "kind", "rank"),
     ),
-    (
+    FamilySpec(
         "flagged_rows",
         "guardrails_flagged_rows",
         "Rows flagged at a guarded site: nonfinite values, no valid token, out-of-vocab ids.",
         ("site", "reason", "rank"),
     ),
-    (
-        "guard_calls",
-        "guardrails_guard_calls",
-        "Calls of a guarded site.",
-        ("site", "rank"),
+    FamilySpec(
+        "guard_calls", "guardrails_guard_calls", "Calls of a guarded site.", ("site", "rank")
     ),
-    (
+    FamilySpec(
         "reporting_errors",
         "guardrails_reporting_errors",
         "Exceptions contained while reading counts, writing metrics or logging.",
         ("stage", "rank"),
     ),
-    (
+    FamilySpec(
         "guard_errors",
         "guardrails_guard_errors",
         "Calls of a patched target left unguarded because the site refused the tensor.",
         ("site", "reason", "rank"),
     ),
-    (
+    FamilySpec(
         "attach_errors",
         "guardrails_attach_errors",
         "Attach points or engine hooks whose target did not resolve (that site is unguarded).",
         ("site", "target", "rank"),
     ),
-)
-# (attribute, name, help, labels): gauges, exported under their own name.
-_GAUGES: Final = (
-    (
+    FamilySpec(
+        "hook_errors",
+        "guardrails_hook_errors",
+        "Calls of an engine hook that failed in guardrails' own code (the engine's call went on "
+        "unhooked).",
+        ("hook", "rank"),
+    ),
+    FamilySpec(
         "site_not_called",
         "guardrails_site_not_called",
         "1 while an attached site (or engine hook) sees no call as the heartbeat runs "
         "liveness_steps times: it is on no path this engine runs.",
         ("site", "rank"),
+        type="gauge",
+        multiprocess_mode="livemax",
     ),
 )
-METRIC_NAMES: Final = (
-    *(f"{name}_total" for _attr, name, _help, _labels in _FAMILIES),
-    *(name for _attr, name, _help, _labels in _GAUGES),
-)
+METRIC_NAMES: Final = tuple(spec.sample for spec in FAMILIES)
 # Exported name -> label names: what dashboards and alert rules may select on.
 METRIC_LABELS: Final[Mapping[str, tuple[str, ...]]] = {
-    **{f"{name}_total": labels for _attr, name, _help, labels in _FAMILIES},
-    **{name: labels for _attr, name, _help, labels in _GAUGES},
+    spec.sample: spec.labels for spec in FAMILIES
 }
 
 
+class Series:
+    """One labelled series: made at 0 by `create()`, or at its first `inc()` / `set()`.
+
+    Before its registry's metrics open, the value is kept here and written when they do. A
+    series whose creation fails once they are open (an unwritable multiprocess directory)
+    raises from that call and is retried at the next one."""
+
+    def __init__(self, binding: _Binding, attr: str, labels: dict[str, str]) -> None:
+        self._binding = binding
+        self._attr = attr
+        self._labels = labels
+        self._child: Any = None
+        self.pending_inc = 0.0
+        self.pending_set: float | None = None
+        self.queued = False
+
+    def create(self) -> None:
+        if self._child is None:
+            self._binding.settle(self, "create", 0.0)
+
+    def inc(self, amount: float = 1) -> None:
+        child = self._child
+        if child is None:
+            self._binding.settle(self, "inc", amount)
+        else:
+            child.inc(amount)
+
+    def set(self, value: float) -> None:
+        child = self._child
+        if child is None:
+            self._binding.settle(self, "set", value)
+        else:
+            child.set(value)
+
+    def bind(self, child: Any) -> None:
+        # Called by the binding, under its lock: what waited goes in first.
+        if self.pending_set is not None:
+            child.set(self.pending_set)
+            self.pending_set = None
+        if self.pending_inc:
+            child.inc(self.pending_inc)
+            self.pending_inc = 0.0
+        self._child = child
+
+    @property
+    def attr(self) -> str:
+        return self._attr
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return self._labels
+
+
 class Family:
-    """One metric family with the instance's constant labels filled in at `.labels()`."""
+    """One family with an instance's constant labels filled in at `.labels()`."""
 
-    __slots__ = ("_constant", "_counter")
+    __slots__ = ("_attr", "_binding", "_constant")
 
-    def __init__(self, counter: Counter | Gauge, constant: Mapping[str, str]) -> None:
-        self._counter = counter
+    def __init__(self, binding: _Binding, attr: str, constant: Mapping[str, str]) -> None:
+        self._binding = binding
+        self._attr = attr
         self._constant = dict(constant)
 
-    def labels(self, **labels: str) -> Any:
-        return self._counter.labels(**labels, **self._constant)
+    def labels(self, **labels: str) -> Series:
+        return self._binding.series(self._attr, {**labels, **self._constant})
 
 
 @dataclass(frozen=True)
 class GuardMetrics:
-    """The counter families of one registry (shared by every `Guardrails` using it), with one
-    instance's constant labels."""
+    """The families of one registry (shared by every `Guardrails` using it), with one
+    instance's constant labels, and what decides when they open (`binding`)."""
 
     nonfinite_values: Family
     flagged_rows: Family
@@ -152,81 +244,182 @@ class GuardMetrics:
     reporting_errors: Family
     guard_errors: Family
     attach_errors: Family
+    hook_errors: Family
     site_not_called: Family
+    binding: _Binding
 
 
-# The families made for a registry are kept on the registry object itself (an attribute of
-# ours, not prometheus-client's), so that a reloaded or second copy of this module finds them
-# instead of registering the same names again.
-_FAMILIES_ATTR: Final = "_guardrails_metric_families"
-_LOCK = threading.Lock()
+class _Binding:
+    """When and where the families of one registry (None: the process's default) are made.
+
+    `directory`: guardrails' tree directory (`GUARDRAILS_METRICS_DIR`), used by the default
+    binding when the host has no multiprocess directory of its own."""
+
+    def __init__(self, registry: Any, constant: tuple[str, ...], directory: str | None) -> None:
+        self.registry = registry
+        self.constant = constant
+        self.directory = directory
+        self.sink: RegistrySink | FileSink | None = None
+        self.error: Exception | None = None
+        self._lock = threading.RLock()
+        self._families: dict[str, Any] | None = None
+        self._series: dict[tuple[str, tuple[tuple[str, str], ...]], Series] = {}
+        self._pending: list[Series] = []
+        self._on_open: list[Callable[[], None]] = []
+
+    @property
+    def is_open(self) -> bool:
+        return self._families is not None
+
+    def series(self, attr: str, labels: dict[str, str]) -> Series:
+        key = (attr, tuple(sorted(labels.items())))
+        found = self._series.get(key)
+        if found is None:
+            with self._lock:
+                found = self._series.setdefault(key, Series(self, attr, labels))
+        return found
+
+    def when_open(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (which must contain its own errors) once the metrics open: now if
+        they are open already."""
+        with self._lock:
+            if self._families is None:
+                self._on_open.append(callback)
+                return
+        callback()
+
+    def open(self) -> None:
+        """Make the families now (importing prometheus-client if the host has not); raises
+        what that raised (the series keep waiting and a later call retries)."""
+        with self._lock:
+            if self._families is not None:
+                return
+            try:
+                from guardrails.reporting.sinks import choose_sink
+
+                sink = choose_sink(self.registry, self.directory)
+                self._families = sink.families(FAMILIES, self.constant)
+            except Exception as exc:
+                self.error = exc
+                raise
+            self.sink = sink
+            self.error = None
+            pending, self._pending = self._pending, []
+            for series in pending:
+                series.queued = False
+                try:
+                    series.bind(self._families[series.attr].child(series.labels))
+                except Exception as exc:
+                    # Retried at the series' next call; its waiting value is kept.
+                    self.error = exc
+                    self._queue(series)
+            callbacks, self._on_open = self._on_open, []
+        for callback in callbacks:
+            callback()
+
+    def open_quietly(self) -> None:
+        """`open()`, keeping a failure in `error` for the next reporter that looks."""
+        with contextlib.suppress(Exception):  # kept in self.error; a reporter counts it
+            self.open()
+
+    def settle(self, series: Series, op: str, value: float) -> None:
+        with self._lock:
+            child = series._child
+            if child is None:
+                if self._families is None:
+                    if op == "inc":
+                        series.pending_inc += value
+                    elif op == "set":
+                        series.pending_set, series.pending_inc = value, 0.0
+                    self._queue(series)
+                    return
+                child = self._families[series.attr].child(series.labels)
+                series.bind(child)
+        if op == "inc":
+            child.inc(value)
+        elif op == "set":
+            child.set(value)
+
+    def _queue(self, series: Series) -> None:
+        if not series.queued:
+            series.queued = True
+            self._pending.append(series)
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.RLock()
+
+
+_BINDING_ATTR: Final = "_guardrails_binding"
+_default_binding: _Binding | None = None
+_bindings: weakref.WeakSet[_Binding] = weakref.WeakSet()
+_bindings_lock = threading.Lock()
+_fork_hook = False
 
 
 def guard_metrics(
-    registry: CollectorRegistry | None = None, constant: Mapping[str, str] | None = None
+    registry: Any = None,
+    constant: Mapping[str, str] | None = None,
+    *,
+    directory: str | os.PathLike[str] | None = None,
 ) -> GuardMetrics:
-    """The counters registered in `registry` (default: the global one), made on first use,
+    """The families of `registry` (default: the process's own, see the module docstring),
     with `constant` labels (their names become part of every family).
 
-    Asking again for the same registry returns the same counters, so any number of
-    `Guardrails` instances share them without a duplicate-metric error; instances sharing a
-    registry must use the same constant label names (their values may differ).
+    Imports nothing of prometheus-client itself. Asking again for the same registry returns
+    the same families, so any number of `Guardrails` instances share them without a
+    duplicate-metric error; instances sharing a registry must use the same constant label
+    names (their values may differ), else `ValueError`.
     """
-    from prometheus_client import REGISTRY
-
-    target = REGISTRY if registry is None else registry
+    global _default_binding, _fork_hook
     constant = dict(constant or {})
     names = tuple(sorted(constant))
-    with _LOCK:
-        # (constant label names, counters by attribute): the names they were made with.
-        found: tuple[tuple[str, ...], dict[str, Counter | Gauge]] | None = getattr(
-            target, _FAMILIES_ATTR, None
+    path = None if directory is None else os.fspath(directory)
+    fresh = False
+    with _bindings_lock:
+        if registry is None:
+            binding = _default_binding
+            if binding is None:
+                binding = _default_binding = _Binding(None, names, path)
+                fresh = True
+        else:
+            binding = getattr(registry, _BINDING_ATTR, None)
+            if binding is None:
+                binding = _Binding(registry, names, None)
+                setattr(registry, _BINDING_ATTR, binding)
+                fresh = True
+        if fresh:
+            _bindings.add(binding)
+        if not _fork_hook and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_hook = True
+    if binding.constant != names:
+        raise ValueError(
+            f"guardrails' metrics in this registry carry the constant labels "
+            f"{list(binding.constant)}; this instance asks for {list(names)}: every instance "
+            "sharing a registry needs the same [metrics.labels] names"
         )
-        if found is None:
-            counters: dict[str, Counter | Gauge] = {
-                attr: _counter(target, name, text, (*labels, *names))
-                for attr, name, text, labels in _FAMILIES
-            }
-            counters.update(
-                (attr, _gauge(target, name, text, (*labels, *names)))
-                for attr, name, text, labels in _GAUGES
-            )
-            found = (names, counters)
-            setattr(target, _FAMILIES_ATTR, found)
-        made, counters = found
-        if made != names:
-            raise ValueError(
-                f"guardrails' metrics in this registry carry the constant labels "
-                f"{list(made)}; this instance asks for {list(names)}: every instance "
-                "sharing a registry needs the same [metrics.labels] names"
-            )
-        return GuardMetrics(**{attr: Family(counters[attr], constant) for attr in counters})
+    if path is not None and binding.directory is None and not binding.is_open:
+        binding.directory = path
+    if registry is not None:
+        if not binding.is_open:
+            binding.open()  # its owner imported prometheus-client: the choice is made
+    elif fresh:
+        # The host's own import of prometheus-client is its choice made: open then (at once
+        # if it happened already). wrapt's hook never imports the module itself.
+        import wrapt
+
+        wrapt.register_post_import_hook(lambda _module: binding.open_quietly(), "prometheus_client")
+    return GuardMetrics(
+        **{spec.attr: Family(binding, spec.attr, constant) for spec in FAMILIES},
+        binding=binding,
+    )
 
 
-def _counter(registry: CollectorRegistry, name: str, text: str, labels: tuple[str, ...]) -> Counter:
-    from prometheus_client import Counter
-
-    try:
-        return Counter(name, text, labels, registry=registry)
-    except ValueError:
-        raise ValueError(
-            f"the registry already holds a metric named {name}_total that guardrails did not "
-            f"register; guardrails needs that name for a Counter with labels {list(labels)}"
-        ) from None
-
-
-def _gauge(registry: CollectorRegistry, name: str, text: str, labels: tuple[str, ...]) -> Gauge:
-    from prometheus_client import Gauge
-
-    try:
-        # livemax: in multiprocess mode the value of the live processes (one per rank label),
-        # and a dead process's 1 goes when the host marks it dead.
-        return Gauge(name, text, labels, registry=registry, multiprocess_mode="livemax")
-    except ValueError:
-        raise ValueError(
-            f"the registry already holds a metric named {name} that guardrails did not "
-            f"register; guardrails needs that name for a Gauge with labels {list(labels)}"
-        ) from None
+def _after_fork_in_child() -> None:
+    global _bindings_lock
+    _bindings_lock = threading.Lock()
+    for binding in list(_bindings):
+        binding.after_fork_in_child()
 
 
 def resolve_rank(environ: Mapping[str, str] | None = None) -> str:

@@ -47,6 +47,7 @@ from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger, configure_json_logs
 from guardrails.names import (
+    METRICS_SERVED_ELSEWHERE_EVENT,
     NO_VALID_TOKEN_EVENT,
     NONFINITE_EVENT,
     OOB_EVENT,
@@ -59,7 +60,7 @@ from guardrails.reporting import exposition, metrics
 if TYPE_CHECKING:
     import torch
 
-    from guardrails.reporting.metrics import GuardMetrics
+    from guardrails.reporting.metrics import GuardMetrics, Series
     from guardrails.reporting.mirror import DeviceCounts
     from guardrails.settings import GuardSettings
 
@@ -196,9 +197,11 @@ class Reporter:
         self._lock = threading.RLock()
         self._reporting = False
         self._sites: dict[int, _SiteReport] = {}
-        # Imports prometheus_client, first here: never at `import guardrails`, because it fixes
-        # its multiprocess mode when first imported.
-        self._metrics: GuardMetrics = metrics.guard_metrics(registry, settings.metrics.labels)
+        # Imports nothing of prometheus_client: the families open later (see
+        # `guardrails.reporting.metrics`), and counts made before wait in their series.
+        self._metrics: GuardMetrics = metrics.guard_metrics(
+            registry, settings.metrics.labels, directory=settings.metrics.dir
+        )
         self._rank: str | None = None
         self._errors: dict[str, Any] = {}
         self._uncounted: Counter[str] = Counter()  # faults before the error series existed
@@ -209,47 +212,114 @@ class Reporter:
             configure_json_logs()
         port = settings.metrics.port
         if port:
-            self._serve(registry, settings.metrics.addr, port)
+            try:
+                self._prepare_serving(settings.metrics.addr, port)
+            except BaseException:
+                exposition.release_server(self)
+                raise
         _live_reporters().add(self)
 
-    def _serve(self, registry: Any, addr: str, port: int) -> None:
+    def _prepare_serving(self, addr: str, port: int) -> None:
+        binding = self._metrics.binding
+        if not exposition.claim(addr, port, binding, owner=self):
+            raise ConfigError(
+                [
+                    Problem(
+                        self._settings.origin("metrics", "port"),
+                        f"cannot serve metrics on {addr}:{port}: another Guardrails in this "
+                        "process serves a different registry there",
+                        port,
+                        accepted="the same registry (or none) for every Guardrails on one "
+                        "port, or another port",
+                    )
+                ]
+            )
+        if binding.is_open:
+            self._serve(addr, port, at_start=True)
+            return
+        # The server waits for the metrics to open (it imports prometheus_client), but a port
+        # that something else holds is still an error at start-up, found without binding it.
         try:
-            serving = exposition.serve(addr, port, registry, owner=self)
+            exposition.probe(addr, port)
         except (OSError, UnicodeError) as exc:
-            self._bind_failed(addr, port, exc)
+            self._bind_failed(addr, port, exc, at_start=True)
+            return  # another process of the tree serves it (else that raised)
+        me = weakref.ref(self)
+
+        def serve_when_open() -> None:
+            reporter = me()
+            if reporter is not None and not reporter._closed:
+                reporter._serve(addr, port, at_start=False)
+
+        binding.when_open(serve_when_open)
+
+    def _serve(self, addr: str, port: int, *, at_start: bool) -> None:
+        sink = self._metrics.binding.sink
+        tree = self._settings.metrics.dir
+        directories = list(
+            dict.fromkeys(
+                str(path)
+                for path in (getattr(sink, "directory", None), exposition.multiprocess_dir(), tree)
+                if path
+            )
+        )
+        marker_dir = str(tree) if tree else exposition.multiprocess_dir()
+        try:
+            serving = exposition.serve(
+                addr,
+                port,
+                getattr(sink, "registry", None),
+                owner=self,
+                directories=directories,
+                marker_dir=marker_dir,
+            )
+        except (OSError, UnicodeError) as exc:
+            self._bind_failed(addr, port, exc, at_start=at_start, marker_dir=marker_dir)
             return
         except Exception as exc:
-            # prometheus-client refusing the multiprocess directory (not a directory): the
-            # counters fail the same way and are contained; so is the server, which has
+            # prometheus-client refusing a multiprocess directory (not a directory): the
+            # series fail the same way and are contained; so is the server, which has
             # nothing to aggregate.
             self._fault("metrics", exc)
             return
         if serving.marker_error is not None:
-            # The server runs; only sibling workers cannot learn that it serves them.
+            # The server runs; only sibling processes cannot learn that it serves them.
             self._fault("metrics", serving.marker_error)
 
-    def _bind_failed(self, addr: str, port: int, exc: OSError | UnicodeError) -> None:
-        # In multiprocess mode every worker inherits the same port, and one server shows
-        # every process's files: a worker whose sibling already serves that port is served by
-        # it. Anything else holding the port is still an error.
+    def _bind_failed(
+        self,
+        addr: str,
+        port: int,
+        exc: OSError | UnicodeError,
+        *,
+        at_start: bool,
+        marker_dir: str | None = None,
+    ) -> None:
+        # In a process tree every process inherits the same port, and one server shows every
+        # process's files: a process whose sibling already serves that port is served by it.
+        # Anything else holding the port is still an error.
+        if marker_dir is None:
+            tree = self._settings.metrics.dir
+            marker_dir = str(tree) if tree else exposition.multiprocess_dir()
         in_use = isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE
-        if in_use and exposition.sibling_serves(port):
+        if in_use and exposition.sibling_serves(port, marker_dir):
             self._deliver(
                 [
                     (
                         "info",
-                        "guardrails.metrics_served_elsewhere",
+                        METRICS_SERVED_ELSEWHERE_EVENT,
                         {
                             "addr": addr,
                             "port": port,
-                            "reason": "multiprocess mode: another process serves the aggregate",
+                            "reason": "a process tree: another process serves its series",
                         },
                     )
                 ]
             )
             return
         # At start-up, as a ConfigError naming the variable (or file key) that is at fault:
-        # the fix is a configuration change, and hosts already handle this error.
+        # the fix is a configuration change, and hosts already handle this error. Later (the
+        # metrics opened in a sampling call or an import), a contained fault.
         reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
         text = f"cannot serve metrics on {addr}:{port}: {reason}"
         if isinstance(exc, socket.gaierror | UnicodeError) or (
@@ -268,7 +338,10 @@ class Reporter:
                 port,
                 accepted="a free port, or 0 to leave /metrics to the host",
             )
-        raise ConfigError([problem]) from exc
+        error = ConfigError([problem])
+        if at_start:
+            raise error from exc
+        self._fault("metrics", error)
 
     # -- called by the service and the sites ----------------------------------------------
 
@@ -297,6 +370,7 @@ class Reporter:
     def register(self, site: ReportedSite) -> None:
         """A site was created: its series exist at 0 from now on."""
         outbox: list[_Event] = []
+        self._open_metrics(outbox)
         with self._lock:
             report = self._report_for(site)
             rank = self._resolve_rank(outbox)
@@ -305,6 +379,19 @@ class Reporter:
                 report.children[i] = self._child_for(kind, site, rank, family, outbox)
             report.calls_child = self._series(family.guard_calls, outbox, site=site.name, rank=rank)
         self._deliver(outbox)
+
+    def _open_metrics(self, outbox: list[_Event]) -> None:
+        # The first site: the engine samples, its start-up is over, so the metrics may open
+        # now even where the host never imports prometheus_client (see metrics).
+        binding = self._metrics.binding
+        try:
+            binding.open()
+        except Exception as exc:
+            self._fault("metrics", exc, outbox)
+            return
+        error, binding.error = binding.error, None
+        if error is not None:
+            self._fault("metrics", error, outbox)
 
     def track(self, site: ReportedSite, counts: DeviceCounts) -> None:
         """A site got buffers on a new device."""
@@ -441,18 +528,19 @@ class Reporter:
             return None
         attr, label = series
         if kind is CountKind.NEGINF and not site.counts_neginf:
-            return _Lazy(family.nonfinite_values, site=site.name, kind=label, rank=rank)
+            # Never counted there: made by an increment only, not exported as a permanent 0.
+            return family.nonfinite_values.labels(site=site.name, kind=label, rank=rank)
         if attr == "nonfinite_values":
             return self._series(
                 family.nonfinite_values, outbox, site=site.name, kind=label, rank=rank
             )
         return self._series(family.flagged_rows, outbox, site=site.name, reason=label, rank=rank)
 
-    def _series(self, family: Any, outbox: list[_Event], **labels: str) -> _Lazy:
+    def _series(self, family: Any, outbox: list[_Event], **labels: str) -> Series:
         # Made now, so that it exists at 0 from the start. prometheus-client creates a
         # multiprocess file here; if that fails, site creation (maybe inside the first
         # sampling call) must not: the series is made at its first increment instead.
-        series = _Lazy(family, **labels)
+        series: Series = family.labels(**labels)
         try:
             series.create()
         except Exception as exc:
@@ -604,29 +692,6 @@ class Reporter:
             report.logged = [0] * len(report.logged)
             report.suppressed = 0
             report.unlogged = False
-
-
-class _Lazy:
-    """A series that is created by `create()` or, failing that, on its first increment.
-
-    -inf at sites that do not count it is only ever created by an increment: it is never
-    counted there, so it should not be exported as a permanent 0."""
-
-    __slots__ = ("_child", "_family", "_labels")
-
-    def __init__(self, family: Any, **labels: str) -> None:
-        self._family = family
-        self._labels = labels
-        self._child: Any = None
-
-    def create(self) -> None:
-        if self._child is None:
-            self._child = self._family.labels(**self._labels)
-
-    def inc(self, amount: float = 1) -> None:
-        if self._child is None:
-            self.create()
-        self._child.inc(amount)
 
 
 # -- interpreter exit and fork -------------------------------------------------------------

@@ -400,6 +400,17 @@ class MetricsSettings(_Frozen):
             )
         ),
     ] = Field(default_factory=dict)
+    dir: Annotated[
+        Path | None,
+        Field(
+            **field_meta(
+                "a path to an existing directory (empty when the processes start)",
+                "where every guardrails process of a process tree writes its series "
+                "(prometheus-client multiprocess files) when the host has no "
+                "PROMETHEUS_MULTIPROC_DIR; `guardrails run` sets a fresh one when unset",
+            )
+        ),
+    ] = None
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -437,6 +448,19 @@ class MetricsSettings(_Frozen):
     @classmethod
     def _address(cls, addr: str) -> str:
         return _bind_address(addr)
+
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _unset_when_empty(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("dir")
+    @classmethod
+    def _directory(cls, path: Path | None) -> Path | None:
+        # Absolute: the processes of a tree may change their working directory.
+        if path is not None and not path.is_dir():
+            raise ValueError(f"{str(path)!r} is not an existing directory")
+        return None if path is None else path.absolute()
 
 
 class GuardSettings(BaseSettings):

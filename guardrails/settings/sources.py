@@ -58,6 +58,7 @@ ENV_VARS: Mapping[str, EnvVar] = {
         EnvVar("GUARDRAILS_METRICS_PORT", ("metrics", "port")),
         EnvVar("GUARDRAILS_METRICS_ADDR", ("metrics", "addr")),
         EnvVar("GUARDRAILS_METRICS_LABELS", ("metrics", "labels"), is_list=True),
+        EnvVar("GUARDRAILS_METRICS_DIR", ("metrics", "dir")),
     )
 }
 

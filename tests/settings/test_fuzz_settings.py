@@ -93,6 +93,7 @@ ACCEPTED: dict[str, list[Any]] = {
     "vocab_size": [],
     "when": ["sglang>=0.5.14", "vllm==0.33.0"],
     "labels": [{}, {"model_name": "m"}, {"engine": "0", "tp_rank": "1"}],
+    "dir": ["/", "."],
     "on_no_valid_token": ["sample"],
     "eos_token_id": [2],
     "logits_site": ["sampler.logits", "custom.site"],
@@ -124,6 +125,7 @@ REJECTED: dict[str, list[Any]] = {
     "vocab_size": [10, 0],
     "when": ["sglang>=x", "sglang; os_name=='nt'", "__import__('os')"],
     "labels": [{"site": "x"}, {"__x": "1"}, {"bad-name": "1"}, "model_name"],
+    "dir": ["/nonexistent/guardrails", "/dev/null"],
     "on_no_valid_token": ["eos", "error", ""],
     "eos_token_id": [-1, 0.5, True],
     "logits_site": ["bad name!", ""],
@@ -334,6 +336,7 @@ ENV_ACCEPTED: dict[str, list[str]] = {
     "GUARDRAILS_HOOKS": [""],
     "GUARDRAILS_HEARTBEAT": ["", "pkg.mod:Cls.meth", "a.b:c, x.y:Z.w"],
     "GUARDRAILS_LIVENESS_STEPS": ["1", "256", "1000000000"],
+    "GUARDRAILS_METRICS_DIR": ["", "/", "."],
 }
 ENV_REJECTED: dict[str, list[str]] = {
     "GUARDRAILS_ENABLED": ["", "2", "0.0", "disable", "nein"],
@@ -350,6 +353,7 @@ ENV_REJECTED: dict[str, list[str]] = {
     "GUARDRAILS_HOOKS": ["nope", "vllm."],
     "GUARDRAILS_HEARTBEAT": ["x", "os:system('x')", "a.b:c,nope"],
     "GUARDRAILS_LIVENESS_STEPS": ["0", "-1", "1.5", "true", "1e3"],
+    "GUARDRAILS_METRICS_DIR": ["/nonexistent/guardrails", "/dev/null"],
 }
 for _name in ("GUARDRAILS_SANITIZE", "GUARDRAILS_ASYNC_ASSERT", "GUARDRAILS_STRICT_ATTACH"):
     ENV_ACCEPTED[_name] = ENV_ACCEPTED["GUARDRAILS_ENABLED"]

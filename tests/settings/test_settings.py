@@ -52,6 +52,7 @@ GOOD_AND_BAD = {
         "eng.model.Model.logits",
     ),
     "GUARDRAILS_LIVENESS_STEPS": ("64", ("liveness_steps",), 64, "0"),
+    "GUARDRAILS_METRICS_DIR": ("/", ("metrics", "dir"), Path("/"), "/nonexistent/guardrails"),
 }
 
 
@@ -185,8 +186,10 @@ def test_example_config_documents_every_key_with_its_default() -> None:
             assert getattr(s, name) == getattr(defaults, name), name
     documented = example.read_text()
     for section in ("reporting", "metrics"):
-        for key in type(s).model_fields[section].annotation.model_fields:
-            assert f"\n{key} = " in documented, key
+        for key, field in type(s).model_fields[section].annotation.model_fields.items():
+            # A key unset by default is shown commented out, with an example value.
+            shown = f"\n# {key} = " if field.default is None else f"\n{key} = "
+            assert shown in documented, key
     for key in gr.SiteSettings.model_fields:
         assert f"{key} = " in documented, key
     assert s.site_settings("sampler.logits") == defaults.site_settings("sampler.logits")
