@@ -218,3 +218,37 @@ def test_two_instances_on_the_default_registry_share_the_port_and_both_are_serve
     found = samples(text, "guardrails_nonfinite_values_total")
     assert found[(("kind", "nan"), ("rank", "0"), ("site", "a.logits"))] == 1.0
     assert found[(("kind", "nan"), ("rank", "0"), ("site", "b.logits"))] == 2.0
+
+
+# Counts made before the host imports prometheus_client wait in their series, and the host's
+# own import (a post-import hook) is what makes them.
+COUNTED_BEFORE_THE_HOST_CHOSE = r"""
+import json, sys
+import guardrails as gr
+guards = gr.Guardrails(gr.GuardSettings())
+guards.attach_errors.record(site="sampler.logits", target="engine:sample", error=ValueError("x"))
+guards.hook_errors.prepare("sglang.abort_poisoned_requests")
+guards.hook_errors.record("sglang.abort_poisoned_requests", "Sampler.forward", KeyError("k"),
+                          log=False)
+before = "prometheus_client" in sys.modules
+from prometheus_client import REGISTRY
+attach = REGISTRY.get_sample_value("guardrails_attach_errors_total",
+    {"site": "sampler.logits", "target": "engine:sample", "rank": "0"})
+hooks = REGISTRY.get_sample_value("guardrails_hook_errors_total",
+    {"hook": "sglang.abort_poisoned_requests", "rank": "0"})
+print(json.dumps({"before": before, "attach": attach, "hooks": hooks}))
+"""
+
+
+def test_counts_made_before_the_host_imports_prometheus_client_arrive_when_it_does() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", COUNTED_BEFORE_THE_HOST_CHOSE],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"before": False, "attach": 1.0, "hooks": 1.0}
