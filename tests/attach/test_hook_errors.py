@@ -46,6 +46,7 @@ def test_a_failing_hook_is_counted_each_time_and_logged_once(
     guards = fresh_guardrails(registry=registry)
     with module_on_path(ENGINE, "hooked_engine", tmp_path, monkeypatch) as name:
         hook = MethodHook(guards, HOOK, name, "Runner.step", BrokenHalf(guards))
+        hook.install()
         module = __import__(name)
         assert hook.state == "applied"
         assert hook_errors(registry) == 0.0  # exists at 0 once the hook applies

@@ -72,9 +72,9 @@ def test_a_main_process_sglang_metric_is_on_sglangs_metrics_under_guardrails_run
     plain = samples(scrapes(False)["scrape"])
     result = scrapes(True)
     guarded = samples(result["scrape"])
-    assert result["imported_at_start"] is False  # the bootstrap left prometheus_client alone
     assert plain[PROMPT_TOKENS] == 7.0
     assert guarded.get(PROMPT_TOKENS) == 7.0
+    assert result["imported_at_start"] is False  # the bootstrap left prometheus_client alone
     # Nothing of SGLang's lost or altered.
     sglangs = {k: v for k, v in plain.items() if not k[0].startswith("guardrails_")}
     assert {k: guarded.get(k) for k in sglangs} == sglangs
