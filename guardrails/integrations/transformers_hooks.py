@@ -128,8 +128,8 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     mask = guards.settings.site_settings(SITE).abort_flags
     enabled = guards.is_enabled(SITE) and bool(mask)
     rows = _StepRows(guards, mask)
-    kv = _HealKV()
-    batch = _BatchHalf()
+    kv = _HealKV(guards)
+    batch = _BatchHalf(guards)
     # Watched by the liveness self-check (a heartbeat every step of either mode): in each
     # group one half of each mode runs at every step, so the pair is judged on their sum.
     halves: list[tuple[str, str, Any, bool | str]] = [
@@ -137,7 +137,7 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
         (_STOP_MODULE, _STOP_TARGET, _StopHalf(rows), "update"),
         (_CACHE_MODULE, _CACHE_TARGET, kv, False),
         (_RUNNER_MODULE, _RUNNER_TARGET, _SampleHalf(rows, kv), "sampler"),
-        (_IO_MODULE, _IO_TARGET, _UpdateFilterHalf(batch), False),
+        (_IO_MODULE, _IO_TARGET, _UpdateFilterHalf(batch, guards), False),
         (_BATCH_MODULE, _BATCH_TARGET, batch, "update"),
         (_SERVE_MODULE, _SERVE_TARGET, _NonStreamingHalf(), False),
     ]
@@ -154,6 +154,10 @@ class _StepRows:
         self._guards = guards
         self._mask = mask
         self._local = threading.local()
+
+    @property
+    def guards(self) -> Guardrails:
+        return self._guards
 
     def before(self) -> int | None:
         found = self._guards.site(SITE).recent()
@@ -182,7 +186,7 @@ class _ProcessorsHalf:
 
     def __init__(self, rows: _StepRows) -> None:
         self._rows = rows
-        self._failed = OnceLog(HOOK, _LOGITS_TARGET)
+        self._failed = OnceLog(HOOK, _LOGITS_TARGET, rows.guards)
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         before = None
@@ -203,7 +207,7 @@ class _StopHalf:
 
     def __init__(self, rows: _StepRows) -> None:
         self._rows = rows
-        self._failed = OnceLog(HOOK, _STOP_TARGET)
+        self._failed = OnceLog(HOOK, _STOP_TARGET, rows.guards)
 
     def __call__(self, wrapped: Any, stop_check: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -278,7 +282,7 @@ class _SampleHalf:
     def __init__(self, rows: _StepRows, kv: _HealKV) -> None:
         self._rows = rows
         self._kv = kv
-        self._failed = OnceLog(HOOK, _RUNNER_TARGET)
+        self._failed = OnceLog(HOOK, _RUNNER_TARGET, rows.guards)
 
     def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         before = tokens = None
@@ -331,8 +335,8 @@ class _SampleHalf:
 class _BatchHalf:
     """Continuous batching: around `update_batch`, fail the requests the update dropped."""
 
-    def __init__(self) -> None:
-        self._failed = OnceLog(HOOK, _BATCH_TARGET)
+    def __init__(self, guards: Guardrails) -> None:
+        self._failed = OnceLog(HOOK, _BATCH_TARGET, guards)
         self.local = threading.local()
 
     def __call__(self, wrapped: Any, processor: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -364,9 +368,9 @@ class _BatchHalf:
 class _UpdateFilterHalf:
     """Continuous batching: the batch update never sees a marked request or its token."""
 
-    def __init__(self, batch: _BatchHalf) -> None:
+    def __init__(self, batch: _BatchHalf, guards: Guardrails) -> None:
         self._batch = batch
-        self._failed = OnceLog(HOOK, _IO_TARGET)
+        self._failed = OnceLog(HOOK, _IO_TARGET, guards)
 
     def __call__(self, wrapped: Any, io: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         result = wrapped(*args, **kwargs)
@@ -435,8 +439,8 @@ class _HealKV:
     reads them (in place; finite values unchanged); which query tokens had them is kept for
     this thread's next `_sample` (one bool per token, OR-ed over the layers of a forward)."""
 
-    def __init__(self) -> None:
-        self._failed = OnceLog(HOOK, _CACHE_TARGET)
+    def __init__(self, guards: Guardrails) -> None:
+        self._failed = OnceLog(HOOK, _CACHE_TARGET, guards)
         self._local = threading.local()
 
     def __call__(self, wrapped: Any, cache: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
