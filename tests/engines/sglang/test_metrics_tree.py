@@ -19,12 +19,17 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engines.sglang.engine import PROFILE, ROOT, V
+from tests.engines.sglang.engine import NEW, PROFILE, ROOT, V
 from tests.engines.sglang.test_profile import child_env
 
 BIN = Path(sys.executable).parent
 WORKLOAD = Path(__file__).with_name("metrics_tree_workload.py")
-PROMPT_TOKENS = ("sglang:prompt_tokens_total", (("is_streaming", "false"), ("model_name", "m")))
+# SGLang's main-process prompt-token series; 0.5.14 added the is_streaming label.
+PROMPT_TOKENS = (
+    ("sglang:prompt_tokens_total", (("is_streaming", "false"), ("model_name", "m")))
+    if NEW
+    else ("sglang:prompt_tokens_total", (("model_name", "m"),))
+)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
