@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 ENGINE = os.environ.get("ENGINE_SUITE", "")
 
@@ -22,6 +23,17 @@ def engine_version() -> tuple[str, str]:
     """(engine, version) of the venv this suite runs in, from ENGINE_SUITE."""
     name, _, version = ENGINE.partition("-")
     return name, version
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_found() -> Iterator[None]:
+    """Undo a test's structlog configuration (`structlog.testing.capture_logs` leaves structlog
+    configured): guardrails' events then go to structlog, so a later test reading the stdlib
+    logger `guardrails` (caplog) would see nothing. Each test starts as the suite started."""
+    configured = structlog.is_configured()
+    yield
+    if not configured and structlog.is_configured():
+        structlog.reset_defaults()
 
 
 @pytest.fixture
