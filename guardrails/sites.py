@@ -20,21 +20,20 @@ Refused before anything is touched or any state is made: a dtype the site does n
 (TypeError), a tensor that is sparse or nested (TypeError), on the meta device or not on the
 site's pinned device (ValueError), without a vocab dimension (ValueError), and, when healing,
 one whose memory overlaps itself, such as an expanded view (ValueError: writing it in place
-could not be consistent). A forked child re-makes every site's lock (`os.register_at_fork`).
+could not be consistent). A forked child re-makes every site's lock (`guardrails._process`);
+what another thread was writing at the fork was its own buffers.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from guardrails import ops
+from guardrails import _process, ops
 from guardrails.exceptions import TensorTypeError, TensorValueError
 from guardrails.flags import LOGITS_SLOTS, TOKEN_SLOTS, CountKind, RowFlag
 from guardrails.kernels.base import HealSpec, LogitsKernel
@@ -277,14 +276,13 @@ class _SiteBase:
         # Held while a call updates the site: the counts (a read-modify-write on the CPU),
         # the call counter and the per-device state. Re-entrant, because a call may size
         # buffers (reserve) under it. Never held across reporting (host logging, metrics).
-        self._lock = threading.RLock()
+        self._lock = _process.rlock(self, "_lock")
         self._states: dict[torch.device, _DeviceState] = {}
         self._state: _DeviceState | None = None  # the last device used: the common case
         self._pinned_device = None if device is None else torch.device(device)
         self._calls = 0
         self.last_dtype: torch.dtype | None = None
         self.last_shape: tuple[int, ...] = ()
-        _live_sites().add(self)
         if self._pinned_device is not None:
             self.reserve(capacity or _DEFAULT_CAPACITY, self._pinned_device)
 
@@ -421,11 +419,6 @@ class _SiteBase:
             return
         state.counts.request()
         self._reporter.tick()
-
-    def _after_fork_in_child(self) -> None:
-        # The forking thread is the child's only thread: a lock another thread held at the
-        # fork would never be released. What that thread was writing was its own buffers.
-        self._lock = threading.RLock()
 
     # -- inspection -------------------------------------------------------------------
 
@@ -920,31 +913,3 @@ class _writable:
     def __exit__(self, *exc: object) -> None:
         for context in reversed(self._contexts):
             context.__exit__(*exc)
-
-
-# -- fork ----------------------------------------------------------------------------------
-
-_live: weakref.WeakSet[_SiteBase] | None = None
-_live_lock = threading.Lock()
-
-
-def _live_sites() -> weakref.WeakSet[_SiteBase]:
-    """Every site alive in this process; installs the fork hook with the first one.
-
-    A WeakSet, so that a dropped `Guardrails` and its sites are still collected.
-    """
-    global _live
-    with _live_lock:
-        if _live is None:
-            _live = weakref.WeakSet()
-            if hasattr(os, "register_at_fork"):
-                os.register_at_fork(after_in_child=_after_fork_in_child)
-        return _live
-
-
-def _after_fork_in_child() -> None:
-    global _live_lock
-    _live_lock = threading.Lock()
-    ops.after_fork_in_child()
-    for site in list(_live or ()):
-        site._after_fork_in_child()
