@@ -171,29 +171,33 @@ def logits_type_error(
     site: str, logits: object, accepted: Iterable[torch.dtype]
 ) -> TensorTypeError:
     """The error for logits that are not a tensor of one of the `accepted` dtypes."""
-    if not isinstance(logits, torch.Tensor):
-        return TensorTypeError(
-            f"guardrails site {site!r} expects a torch.Tensor of logits, got "
-            f"{type(logits).__name__}"
-        )
-    names = ", ".join(str(d).removeprefix("torch.") for d in accepted)
-    return TensorTypeError(
-        f"guardrails site {site!r}: logits dtype {logits.dtype} is not accepted "
-        f"(accepted: {names}); the tensor was not modified"
+    return _type_error(
+        f"guardrails site {site!r}", "logits", logits, "logits dtype {} is not accepted", accepted
     )
 
 
 def token_type_error(site: str, ids: object) -> TensorTypeError:
     """The error for token ids that are not a tensor of one of `INTEGER_DTYPES`."""
-    if not isinstance(ids, torch.Tensor):
+    return _type_error(
+        f"guardrails token site {site!r}",
+        "token ids",
+        ids,
+        "token ids must be an integer tensor, got {}",
+        INTEGER_DTYPES,
+    )
+
+
+def _type_error(
+    lead: str, what: str, value: object, wrong_dtype: str, accepted: Iterable[torch.dtype]
+) -> TensorTypeError:
+    if not isinstance(value, torch.Tensor):
         return TensorTypeError(
-            f"guardrails token site {site!r} expects a torch.Tensor of token ids, got "
-            f"{type(ids).__name__}"
+            f"{lead} expects a torch.Tensor of {what}, got {type(value).__name__}"
         )
-    names = ", ".join(str(d).removeprefix("torch.") for d in INTEGER_DTYPES)
+    names = ", ".join(str(d).removeprefix("torch.") for d in accepted)
     return TensorTypeError(
-        f"guardrails token site {site!r}: token ids must be an integer tensor, got "
-        f"{ids.dtype} (accepted: {names}); the tensor was not modified"
+        f"{lead}: {wrong_dtype.format(value.dtype)} (accepted: {names}); the tensor was not "
+        "modified"
     )
 
 

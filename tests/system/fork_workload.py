@@ -144,6 +144,19 @@ def child() -> int:
     return 0 if ok else 1
 
 
+def child_status(pid: int, wait_s: float) -> int | str:
+    """A forked child's exit status, or "deadlocked" (killed) if it outlives `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "deadlocked"
+
+
 def fork_while_held(locks: list[Any]) -> int:
     held = threading.Event()
     release = threading.Event()
@@ -169,16 +182,11 @@ def fork_while_held(locks: list[Any]) -> int:
         finally:
             os._exit(code)
     try:
-        deadline = time.monotonic() + CHILD_WAIT_S
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return os.waitstatus_to_exitcode(status)
-            time.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        print("the forked child deadlocked: killed", file=sys.stderr)
-        return 2
+        status = child_status(pid, CHILD_WAIT_S)
+        if status == "deadlocked":
+            print("the forked child deadlocked: killed", file=sys.stderr)
+            return 2
+        return status
     finally:
         release.set()
         holder.join(CHILD_WAIT_S)
