@@ -5,7 +5,9 @@
     flags = guards.site("sampler.logits")(logits)   # in place; uint8 row flags, or None
 
 Importing this package has no side effects: no logging set-up, no metrics registered, no
-environment read. Those happen when a `Guardrails` is built.
+environment read. Those happen when a `Guardrails` is built. (The one thing an import leaves
+is an `os.register_at_fork` hook, `guardrails._process`, that re-makes guardrails' own locks in
+a forked child: a lock is held from the first `default()` on, before any instance exists.)
 """
 
 from __future__ import annotations

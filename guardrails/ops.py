@@ -27,17 +27,17 @@ This module imports torch only; sites reach it, it never reaches them but throug
 from __future__ import annotations
 
 import itertools
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Protocol, cast
 
 import torch
 
+from guardrails import _process
+
 __all__ = [
     "CompiledSite",
     "CompiledTokenSite",
-    "after_fork_in_child",
     "guard_logits_",
     "guard_token_ids_",
     "register",
@@ -63,7 +63,7 @@ class CompiledTokenSite(CompiledSite, Protocol):
 
 _SITES: dict[str, weakref.ref[CompiledSite]] = {}
 _KEYS = itertools.count(1)
-_LOCK = threading.Lock()
+_LOCK = _process.module_lock(__name__, "_LOCK")
 
 
 def register(site: CompiledSite) -> str:
@@ -73,12 +73,6 @@ def register(site: CompiledSite) -> str:
         key = str(next(_KEYS))
         _SITES[key] = weakref.ref(site, _forget(key))
     return key
-
-
-def after_fork_in_child() -> None:
-    """Re-make the registry's lock in a forked child (another thread may have held it)."""
-    global _LOCK
-    _LOCK = threading.Lock()
 
 
 def _forget(key: str) -> Callable[[weakref.ref[CompiledSite]], None]:

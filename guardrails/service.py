@@ -16,8 +16,6 @@ whichever comes first) its reporter flushes exact totals. Only the reporter is k
 from __future__ import annotations
 
 import functools
-import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from guardrails import _process
 from guardrails.attach.handles import GuardedFunction, Handle, attach_module
 from guardrails.attach.liveness import HeartbeatHandle, Liveness, Watched, heartbeat_points
 from guardrails.attach.patching import AttachErrors, GuardErrors, PatchHandle
@@ -65,12 +64,12 @@ class Guardrails:
     ) -> None:
         self.settings = GuardSettings() if settings is None else settings
         self._sites: dict[str, Site] = {}
-        self._lock = threading.Lock()
+        self._lock = _process.lock(self, "_lock")
         self._closed = False
         # Import-path patches made through this instance, by point: applied, pending or
         # disabled (removed ones leave). Re-entrant: removing a handle forgets it under it.
         self._patches: dict[tuple[str, ...], PatchHandle] = {}
-        self._patches_lock = threading.RLock()
+        self._patches_lock = _process.rlock(self, "_patches_lock")
         # Engine hooks installed through this instance, and the liveness self-check with
         # its heartbeat patches (made by attach_configured when settings name a heartbeat).
         self._hooks: list[Any] = []
@@ -90,7 +89,6 @@ class Guardrails:
         # Dropped without close(): flush when collected, or at exit. A bound method of the
         # reporter, never of self, so that it does not keep this instance alive.
         self._finalizer = weakref.finalize(self, self._reporter.flush)
-        _watch_forks(self)
         self._reporter.started(startup_warnings(self.settings))
 
     @classmethod
@@ -499,32 +497,8 @@ def startup_warnings(settings: GuardSettings) -> list[str]:
 
 
 _default: Guardrails | None = None
-_default_lock = threading.Lock()
-
-# Live instances, for the fork hook; weak, so a dropped instance is still collected.
-_instances: weakref.WeakSet[Guardrails] = weakref.WeakSet()
-_fork_hook = False
-
-
-def _watch_forks(guards: Guardrails) -> None:
-    # Installed with the first instance, not at import: importing guardrails has no effects.
-    global _fork_hook
-    _instances.add(guards)
-    if not _fork_hook and hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_after_fork_in_child)
-        _fork_hook = True
-
-
-def _after_fork_in_child() -> None:
-    # The forking thread is the child's only thread: a lock another thread held at the fork
-    # (creating a site, patching) would never be released there.
-    global _default_lock
-    _default_lock = threading.Lock()
-    for guards in list(_instances):
-        guards._lock = threading.Lock()
-        guards._patches_lock = threading.RLock()
-        if guards._liveness is not None:
-            guards._liveness.after_fork_in_child()
+# Re-made in a forked child, like every lock of guardrails (see guardrails._process).
+_default_lock = _process.module_lock(__name__, "_default_lock")
 
 
 def default() -> Guardrails:

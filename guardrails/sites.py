@@ -4,8 +4,9 @@ A site is built once from settings and bakes them in: an enabled logits site hol
 `HealSpec` per accepted dtype and the kernel for each device; a disabled site is a different
 class whose call returns None without looking at its argument. Per device, a site owns
 persistent buffers (int64 counts, host mirror; per calling thread, and on CUDA per thread and
-stream, row flags and the kernel workspace that goes with them) made when the site first sees
-that device, thread or stream or when `reserve()` is called, never inside a CUDA-graph capture.
+stream, row flags and the kernel workspace that goes with them; `guardrails._site_buffers`)
+made when the site first sees that device, thread or stream or when `reserve()` is called,
+never inside a CUDA-graph capture.
 
 The flags a call returns belong to the calling thread (on CUDA: to the thread and its current
 stream): a view of that buffer, valid until the same thread's next call of that site on the
@@ -13,29 +14,45 @@ same device (and stream), like a CUDA graph's static output, whatever other thre
 streams do meanwhile; clone them to keep them longer. Per stream on CUDA because two streams
 running the guard at once must not share the Triton kernel's per-row words. A capture on a
 stream the thread has not called on yet (`torch.cuda.graph` captures on a side stream) takes a
-spare made by `reserve()`, else shares the thread's buffers of the stream it called on last:
-nothing is allocated inside a capture.
+spare made by `reserve()`, else it is refused with a RuntimeError naming `reserve()`: nothing
+is allocated inside a capture.
 
-Refused before anything is touched or any state is made: a dtype the site does not accept
-(TypeError), a tensor that is sparse or nested (TypeError), on the meta device or not on the
-site's pinned device (ValueError), without a vocab dimension (ValueError), and, when healing,
-one whose memory overlaps itself, such as an expanded view (ValueError: writing it in place
-could not be consistent). A forked child re-makes every site's lock (`os.register_at_fork`).
+Refused before anything is touched or any state is made (`guardrails._site_inputs` says what
+and raises it): a dtype the site does not accept, a sparse or nested tensor, the meta device or
+one other than the site's pinned device, logits without a vocab dimension, and, when healing,
+memory that overlaps itself. A forked child re-makes every site's lock (`guardrails._process`);
+what another thread was writing at the fork was its own buffers.
+
+The two hot paths, `LogitsSite.__call__` and `TokenSite.__call__`, mirror each other step for
+step and are written out in full on purpose (each Python call saved counts at batch 1): dtype
+check; the compiled branch (one opaque op); the plain-tensor test and the slow layout check;
+the row count (the plain count, then `checked_*_rows` for its error); the device state; under
+the site lock the caller's buffers, the guard and the call counter; then reporting outside the
+lock. A change to one is a change to the other.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from guardrails import ops
-from guardrails.exceptions import TensorTypeError, TensorValueError
+from guardrails import _process, ops
+from guardrails._site_buffers import Buffers, DeviceState, get_ident, normalise, thread_of
+from guardrails._site_inputs import (
+    INTEGER_DTYPES,
+    checked_logits_rows,
+    checked_token_rows,
+    checked_vocab,
+    leading_rows,
+    logits_type_error,
+    refuse_device,
+    refuse_layout,
+    token_rows,
+    token_type_error,
+    written_id_outside,
+)
 from guardrails.flags import LOGITS_SLOTS, TOKEN_SLOTS, CountKind, RowFlag
 from guardrails.kernels.base import HealSpec, LogitsKernel
 from guardrails.kernels.select import select_logits_kernel
@@ -53,204 +70,11 @@ __all__ = ["DisabledSite", "LogitsSite", "Site", "TokenSite"]
 # torch.compile constant-folds this function to True while tracing (the way sites switch to
 # guardrails.ops); bound once, as the eager hot path calls it on every call.
 _compiling: Final = torch.compiler.is_compiling
-_get_ident: Final = threading.get_ident
-# Who owns a set of buffers: a thread id, or on CUDA (thread id, stream id).
-_Key = int | tuple[int, int]
 _STRIDED: Final = torch.strided
 _TENSOR: Final = torch.Tensor
 _DEFAULT_CAPACITY: Final = 256
-_MAX_CACHED_VIEWS: Final = 64
-# Threads with buffers on one device before those of threads that have ended are reclaimed.
-_RECLAIM_AT: Final = 64
 _ASSERTED: Final = int(RowFlag.NAN | RowFlag.POSINF | RowFlag.NO_VALID_TOKEN)
 _NO_VALID_TOKEN: Final = int(RowFlag.NO_VALID_TOKEN)
-# Not uint16/32/64: torch has no comparison kernels for them ("lt_cpu" not implemented), so
-# they get a TypeError naming these instead of an error from inside the guard.
-_INTEGER_DTYPES: Final = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-class _Buffers:
-    """One thread's row flags on one device, and the kernel workspace that describes them
-    (the CPU kernel's `extent`: how far these flags may hold non-zero bytes)."""
-
-    __slots__ = ("capacity", "eos_seen", "flags", "recent", "recent_call", "views", "workspace")
-    flags: torch.Tensor
-    workspace: Any
-
-    def __init__(self, device: torch.device, capacity: int, kernel: LogitsKernel | None) -> None:
-        self.capacity = 0
-        # The flags this thread's latest call returned, and that call's number (see
-        # `_SiteBase.recent`).
-        self.recent: torch.Tensor | None = None
-        self.recent_call = 0
-        # At a token site with on_no_valid_token = "eos": the number of the logits site's
-        # call whose rows this thread last ended, per thread like the logits site's `recent`.
-        self.eos_seen = 0
-        self._allocate(device, capacity, kernel, None)
-
-    def _allocate(
-        self,
-        device: torch.device,
-        capacity: int,
-        kernel: LogitsKernel | None,
-        retired: list[tuple[torch.Tensor, Any]] | None,
-    ) -> None:
-        # Ordinary tensors even when first sized inside inference mode, so that calls made
-        # outside it can still update them.
-        with torch.inference_mode(False):
-            flags = torch.zeros(capacity, dtype=torch.uint8, device=device)
-            ws = kernel.workspace(capacity, device) if kernel is not None else None
-        # Only now that both exist: an allocation that fails leaves the buffers as they were.
-        if self.capacity and retired is not None:
-            retired.append((self.flags, self.workspace))
-        self.flags = flags
-        self.workspace = ws
-        self.views: dict[int, torch.Tensor] = {}
-        self.capacity = capacity
-
-
-class _DeviceState:
-    """A site's state on one device: the counts all threads add to, and each thread's buffers.
-
-    Every mutation happens under the site's lock. `owner`/`last` are the thread served last
-    and its buffers: with one calling thread (the common case) a call finds its buffers with
-    one comparison.
-    """
-
-    __slots__ = (
-        "buffers",
-        "capacity",
-        "check",
-        "counts",
-        "device",
-        "kernel",
-        "last",
-        "owner",
-        "retired",
-        "spare",
-        "streams",
-    )
-
-    def __init__(
-        self, device: torch.device, capacity: int, slots: int, kernel: LogitsKernel | None
-    ) -> None:
-        self.device = device
-        self.kernel = kernel  # None at token-id sites
-        # The kernel's host-side clean check, where it has one (see LogitsKernel).
-        self.check: Callable[[torch.Tensor, torch.Tensor, Any], bool] | None = getattr(
-            kernel, "check", None
-        )
-        self.counts = DeviceCounts(device, slots)
-        self.capacity = capacity  # rows every thread's buffers hold at least
-        # Buffers replaced by a growth, kept on CUDA: a graph captured before the growth
-        # still writes into them on every replay (their rows were reserved for it).
-        self.retired: list[tuple[torch.Tensor, Any]] | None = [] if device.type == "cuda" else None
-        self.buffers: dict[_Key, _Buffers] = {}  # by `key()`
-        # On CUDA, buffers are per (thread, stream): see the module docstring.
-        self.streams = device.type == "cuda"
-        # Made ahead (by `reserve`) for the next thread that calls: a thread whose first call
-        # is a CUDA-graph capture must not allocate. Also where the buffers of threads that
-        # have ended go (`_reclaim`): kept, since a graph such a thread captured still writes
-        # them on every replay, and reused by later threads rather than grown without bound
-        # (such a graph's flags are then shared with the thread that reuses them).
-        self.spare = [_Buffers(device, capacity, kernel)]
-        self.owner: _Key | None = None  # none yet: `last` is not used before it is set
-        self.last = self.spare[0]
-
-    def key(self) -> _Key:
-        """Whose buffers a call from here uses: the thread's, on CUDA the thread's on its
-        current stream of this device."""
-        ident = _get_ident()
-        if self.streams:
-            return ident, _cuda_stream_id(self.device.index)
-        return ident
-
-    def buffers_for(self, key: _Key, site: str) -> _Buffers:
-        """The caller's buffers (made or taken from the spares on its first call)."""
-        buffers = self.buffers.get(key)
-        if buffers is None:
-            buffers = self.buffers[key] = self._new_buffers(key, site)
-        if self.streams and not self.spare and not self.capturing():
-            # Keep one spare ready on CUDA, made here outside any capture: the next capture
-            # on a new stream takes it instead of being refused.
-            self.spare.append(_Buffers(self.device, self.capacity, self.kernel))
-        self.last = buffers
-        self.owner = key
-        return buffers
-
-    def _new_buffers(self, key: _Key, site: str) -> _Buffers:
-        if not self.spare and len(self.buffers) >= _RECLAIM_AT:
-            self._reclaim()
-        capturing = self.capturing()
-        if self.spare and (not capturing or self.spare[-1].capacity >= self.capacity):
-            buffers = self.spare.pop()
-            if buffers.capacity < self.capacity:
-                buffers._allocate(self.device, self.capacity, self.kernel, self.retired)
-            return buffers
-        if capturing:
-            # A capture on a stream this thread has not called on (torch.cuda.graph's side
-            # stream) and no spare left: sharing another stream's buffers would let the
-            # graph's replays race that stream's eager calls on the Triton kernel's per-row
-            # words, and allocating would be recorded into the graph.
-            raise RuntimeError(
-                f"guardrails site {site!r}: a CUDA-graph capture on a stream this thread has "
-                f"not called on, on {self.device}, and no spare buffers are left for it; call "
-                "site.reserve(rows, device) (or make one eager call) in the capturing thread "
-                "before each capture on a new stream"
-            )
-        return _Buffers(self.device, self.capacity, self.kernel)
-
-    def _reclaim(self) -> None:
-        # Thread ids of ended threads: ids of live threads that run Python (all that can
-        # call a site) are the keys of sys._current_frames().
-        alive = sys._current_frames().keys()
-        for key in [key for key in self.buffers if _thread_of(key) not in alive]:
-            buffers = self.buffers.pop(key)
-            if all(b is not buffers for b in self.spare):  # shared by a capture: once
-                self.spare.append(buffers)
-        if self.owner not in self.buffers:
-            self.owner = None
-
-    def capturing(self) -> bool:
-        """Whether the caller's current stream of this state's device is capturing."""
-        return self.streams and capturing_on(self.device)
-
-    def _capture_check(self, site: str, rows: int) -> None:
-        if self.capturing():
-            # Its allocations and zero-fills would be recorded into the graph.
-            raise RuntimeError(
-                f"guardrails site {site!r} needs buffers for {rows} rows on {self.device} "
-                "inside a CUDA-graph capture; call site.reserve(rows, device) (or make one "
-                "call) in the capturing thread before capturing"
-            )
-
-    def flags_view(self, buffers: _Buffers, rows: int, site: str) -> torch.Tensor:
-        if rows > buffers.capacity:
-            if self.capturing():
-                raise RuntimeError(
-                    f"guardrails site {site!r}: {rows} rows exceed the {buffers.capacity} "
-                    f"reserved on {self.device} during CUDA-graph capture; call "
-                    f"site.reserve({rows}, device) before capturing"
-                )
-            buffers._allocate(
-                self.device, max(rows, 2 * buffers.capacity), self.kernel, self.retired
-            )
-        if len(buffers.views) >= _MAX_CACHED_VIEWS:
-            buffers.views.clear()
-        view = buffers.flags[:rows]
-        buffers.views[rows] = view
-        return view
-
-    def reserve(self, rows: int, key: _Key) -> None:
-        """Every thread's buffers hold `rows` rows from now on; a caller that has none yet
-        (`key`'s, or the next to call; on CUDA also a first call on another stream, such as
-        a capture's side stream) finds a spare made for it."""
-        for buffers in {id(b): b for b in [*self.buffers.values(), *self.spare]}.values():
-            if buffers.capacity < rows:
-                buffers._allocate(self.device, rows, self.kernel, self.retired)
-        self.capacity = max(self.capacity, rows)
-        if (self.streams or key not in self.buffers) and not self.spare:
-            self.spare.append(_Buffers(self.device, self.capacity, self.kernel))
 
 
 class _SiteBase:
@@ -277,14 +101,13 @@ class _SiteBase:
         # Held while a call updates the site: the counts (a read-modify-write on the CPU),
         # the call counter and the per-device state. Re-entrant, because a call may size
         # buffers (reserve) under it. Never held across reporting (host logging, metrics).
-        self._lock = threading.RLock()
-        self._states: dict[torch.device, _DeviceState] = {}
-        self._state: _DeviceState | None = None  # the last device used: the common case
+        self._lock = _process.rlock(self, "_lock")
+        self._states: dict[torch.device, DeviceState] = {}
+        self._state: DeviceState | None = None  # the last device used: the common case
         self._pinned_device = None if device is None else torch.device(device)
         self._calls = 0
         self.last_dtype: torch.dtype | None = None
         self.last_shape: tuple[int, ...] = ()
-        _live_sites().add(self)
         if self._pinned_device is not None:
             self.reserve(capacity or _DEFAULT_CAPACITY, self._pinned_device)
 
@@ -298,13 +121,8 @@ class _SiteBase:
         calling thread, if it has not called yet, a buffer of its own for its first call; on
         CUDA there is also one ready for a first call on another stream (the side stream
         `torch.cuda.graph` captures on)."""
-        device = _normalise(torch.device(device))
-        if device.type == "meta":
-            raise TensorValueError(
-                f"guardrails site {self.name!r}: the meta device holds no values to guard "
-                "and no counts; use a real device",
-                "device",
-            )
+        device = normalise(torch.device(device))
+        refuse_device(self.name, device, None, tensor=False)
         with self._lock:
             state = self._states.get(device)
             kernel = self._kernel(device)
@@ -317,7 +135,7 @@ class _SiteBase:
                         f"CUDA-graph capture; call site.reserve(rows, {str(device)!r}) (or "
                         "make one call) before capturing"
                     )
-                state = _DeviceState(device, max(rows, 1), len(self.slots), kernel)
+                state = DeviceState(device, max(rows, 1), len(self.slots), kernel)
                 self._states[device] = state
                 if self._reporter is not None:
                     self._reporter.track(self, state.counts)
@@ -338,10 +156,10 @@ class _SiteBase:
             # not be this thread's (two engine workers in one process, one GPU each).
             states = list(self._states.values())
         else:
-            found = self._states.get(_normalise(torch.device(device)))
+            found = self._states.get(normalise(torch.device(device)))
             states = [] if found is None else [found]
-        thread = _get_ident()
-        latest: _Buffers | None = None
+        thread = get_ident()
+        latest: Buffers | None = None
         for state in states:
             if not state.streams:
                 mine = [] if (b := state.buffers.get(thread)) is None else [b]
@@ -349,7 +167,7 @@ class _SiteBase:
                 # Not only the current stream's: an engine hook may read outside the stream
                 # context its sampler ran in.
                 with self._lock:
-                    mine = [b for k, b in state.buffers.items() if _thread_of(k) == thread]
+                    mine = [b for k, b in state.buffers.items() if thread_of(k) == thread]
             for buffers in mine:
                 if buffers.recent is not None and (
                     latest is None or buffers.recent_call > latest.recent_call
@@ -364,52 +182,18 @@ class _SiteBase:
         found = self.recent(device)
         return None if found is None else found[1]
 
-    def _state_for(self, tensor: torch.Tensor) -> _DeviceState:
+    def _state_for(self, tensor: torch.Tensor) -> DeviceState:
         device = tensor.device
-        if self._pinned_device is not None and _normalise(device) != _normalise(
-            self._pinned_device
-        ):
-            raise TensorValueError(
-                f"guardrails site {self.name!r} was created for device {self._pinned_device}; "
-                f"got a tensor on {device}",
-                "device",
-            )
-        if device.type == "meta":
-            # Before any state exists for it: meta counts cannot be read, ever.
-            raise TensorValueError(
-                f"guardrails site {self.name!r}: a meta tensor holds no values to guard; "
-                "the tensor was not modified",
-                "device",
-            )
-        state = self._states.get(_normalise(device))
+        # Before any state exists for it: meta counts cannot be read, ever.
+        refuse_device(self.name, device, self._pinned_device, tensor=True)
+        state = self._states.get(normalise(device))
         if state is None:
             self.reserve(_DEFAULT_CAPACITY, device)
-            state = self._states[_normalise(device)]
+            state = self._states[normalise(device)]
         self._state = state
         return state
 
-    def _refuse_layout(self, tensor: torch.Tensor, sanitize: bool, what: str) -> None:
-        """The slow half of the layout check, for tensors that are not plain contiguous ones:
-        sparse and nested tensors are refused, and (when healing) memory that overlaps
-        itself; any other strided view, and tensor subclasses, are fine."""
-        if tensor.is_nested or tensor.layout is not _STRIDED:
-            kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
-            raise TensorTypeError(
-                f"guardrails site {self.name!r}: {what} must be a dense strided tensor, got a "
-                f"{kind} tensor; the tensor was not modified",
-                "layout",
-            )
-        if sanitize and not tensor.is_contiguous() and _overlaps(tensor):
-            raise TensorValueError(
-                f"guardrails site {self.name!r}: the {what}' memory overlaps itself (shape "
-                f"{tuple(tensor.shape)}, strides {tensor.stride()}, e.g. an expanded view), "
-                "so they cannot be healed in place consistently; pass a tensor that owns its "
-                "memory (.contiguous()) or set sanitize = false for this site; the tensor was "
-                "not modified",
-                "layout",
-            )
-
-    def _report(self, tensor: torch.Tensor, state: _DeviceState, *, due: bool) -> None:
+    def _report(self, tensor: torch.Tensor, state: DeviceState, *, due: bool) -> None:
         # dtype and shape for log events, also those flushed before the first tick.
         self.last_dtype = tensor.dtype
         self.last_shape = tuple(tensor.shape)
@@ -421,11 +205,6 @@ class _SiteBase:
             return
         state.counts.request()
         self._reporter.tick()
-
-    def _after_fork_in_child(self) -> None:
-        # The forking thread is the child's only thread: a lock another thread held at the
-        # fork would never be released. What that thread was writing was its own buffers.
-        self._lock = threading.RLock()
 
     # -- inspection -------------------------------------------------------------------
 
@@ -448,50 +227,6 @@ class _SiteBase:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} calls={self._calls}>"
-
-
-def _cuda_stream_id(index: int | None) -> int:
-    """The id of the calling thread's current stream on CUDA device `index`."""
-    # torch.cuda.current_stream() without building a Stream object (the same getter).
-    getter = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if getter is None:  # pragma: no cover - every CUDA build has it
-        return int(torch.cuda.current_stream(index).stream_id)
-    return int(getter(index)[0])
-
-
-def _thread_of(key: _Key) -> int:
-    return key[0] if isinstance(key, tuple) else key
-
-
-def _normalise(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _overlaps(x: torch.Tensor) -> bool:
-    """Whether two elements of `x` share memory (writing them in place cannot be done
-    consistently)."""
-    if x.numel() <= 1:
-        return False
-    verdict = torch._debug_has_internal_overlap(x)  # 0: no, 1: yes (stride 0), 2: too hard
-    if verdict != 2:
-        return verdict == 1
-    # Strides sorted ascending, each past everything the smaller ones reach: no overlap.
-    # That covers every slice, transpose and padded view.
-    dims = sorted((st, sz) for sz, st in zip(x.shape, x.stride(), strict=True) if sz > 1)
-    reach = 0
-    for stride, size in dims:
-        if stride <= reach:
-            break
-        reach += stride * (size - 1)
-    else:
-        return False
-    # An unusual `as_strided` view: count the distinct offsets its elements use.
-    span = sum(st * (sz - 1) for sz, st in zip(x.shape, x.stride(), strict=True)) + 1
-    offsets = torch.arange(span, dtype=torch.int64).as_strided(x.shape, x.stride())
-    ordered = offsets.flatten().sort().values
-    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 class LogitsSite(_SiteBase):
@@ -554,7 +289,7 @@ class LogitsSite(_SiteBase):
         except AttributeError:
             spec = None
         if spec is None:
-            raise self._type_error(logits)
+            raise logits_type_error(self.name, logits, self._specs)
         if _compiling():
             # Traced code keeps the call as one opaque op (see guardrails.ops); the rest of
             # this method would be specialised on the tensors seen while tracing. The dtype
@@ -568,19 +303,19 @@ class LogitsSite(_SiteBase):
         except RuntimeError:
             plain = False
         if not plain:
-            self._refuse_layout(logits, self._sanitize, "logits")
-        # `_rows` written out: one Python call less on every guarded call.
+            refuse_layout(self.name, logits, self._sanitize, "logits")
+        # `logits_rows` written out: one Python call less on every guarded call.
         try:
             vocab = logits.shape[-1]
         except (IndexError, RuntimeError):
-            self._rows(logits)  # raises the 0-d error, or refuses a nested tensor
+            checked_logits_rows(self.name, logits)  # the 0-d error, or a nested refusal
             raise
-        rows = logits.numel() // vocab if vocab else _leading(logits)
+        rows = logits.numel() // vocab if vocab else leading_rows(logits)
         state = self._state
         if state is None or logits.device != state.device:
             state = self._state_for(logits)
         with self._lock:
-            key = _get_ident() if not state.streams else state.key()
+            key = get_ident() if not state.streams else state.key()
             buffers = state.last if state.owner == key else state.buffers_for(key, self.name)
             flags = buffers.views.get(rows)
             check = state.check
@@ -603,35 +338,18 @@ class LogitsSite(_SiteBase):
         with); raises the call's TypeError or ValueError for a tensor it would refuse (but
         for memory overlapping itself, which the call itself refuses)."""
         if self._specs.get(getattr(logits, "dtype", None)) is None:  # type: ignore[arg-type]
-            raise self._type_error(logits)
+            raise logits_type_error(self.name, logits, self._specs)
         if logits.layout is not _STRIDED or logits.is_nested:
-            self._refuse_layout(logits, False, "logits")
-        return self._rows(logits)
-
-    def _rows(self, logits: torch.Tensor) -> int:
-        try:
-            vocab = logits.shape[-1]
-        except IndexError:
-            raise self._zero_dim_error() from None
-        except RuntimeError:
-            # A nested tensor with the strided layout has no sizes.
-            if logits.is_nested:
-                self._refuse_layout(logits, False, "logits")
-            raise
-        return logits.numel() // vocab if vocab else _leading(logits)
-
-    def _zero_dim_error(self) -> TensorValueError:
-        return TensorValueError(
-            f"guardrails site {self.name!r}: logits must have a vocab dimension, got a 0-d tensor"
-        )
+            refuse_layout(self.name, logits, False, "logits")
+        return checked_logits_rows(self.name, logits)
 
     def _guard(
         self,
         logits: torch.Tensor,
         rows: int,
         spec: HealSpec,
-        state: _DeviceState,
-        buffers: _Buffers,
+        state: DeviceState,
+        buffers: Buffers,
     ) -> torch.Tensor:
         kernel = state.kernel
         assert kernel is not None  # a logits site always has one (for mypy)
@@ -645,18 +363,6 @@ class LogitsSite(_SiteBase):
         if self._assert_msg is not None:
             torch._assert_async(flags.bitwise_and(_ASSERTED).eq(0).all(), self._assert_msg)
         return flags
-
-    def _type_error(self, logits: object) -> TensorTypeError:
-        accepted = ", ".join(str(d).removeprefix("torch.") for d in self._specs)
-        if not isinstance(logits, torch.Tensor):
-            return TensorTypeError(
-                f"guardrails site {self.name!r} expects a torch.Tensor of logits, got "
-                f"{type(logits).__name__}"
-            )
-        return TensorTypeError(
-            f"guardrails site {self.name!r}: logits dtype {logits.dtype} is not accepted "
-            f"(accepted: {accepted}); the tensor was not modified"
-        )
 
 
 class TokenSite(_SiteBase):
@@ -692,14 +398,14 @@ class TokenSite(_SiteBase):
                 )
             self._eos = config.eos_token_id
         self._rows_from = rows_from
-        for key, value in (("replacement_id", config.replacement_id), ("eos_token_id", self._eos)):
-            # guardrails writes these ids itself: outside the vocabulary, the engine's
-            # embedding lookup would fail on them (a device-side assert on CUDA).
-            if value is not None and value >= vocab_size:
-                raise ValueError(
-                    f"guardrails token site {name!r}: {key}={value} is outside the "
-                    f"vocabulary [0, {vocab_size})"
-                )
+        # The ids guardrails writes itself, checked against every vocabulary it guards with.
+        self._written = (("replacement_id", config.replacement_id), ("eos_token_id", self._eos))
+        outside = written_id_outside(vocab_size, self._written)
+        if outside is not None:
+            raise ValueError(
+                f"guardrails token site {name!r}: {outside[0]}={outside[1]} is outside the "
+                f"vocabulary [0, {vocab_size})"
+            )
         self.config = config
         self.vocab_size = vocab_size
         self._op_key = ops.register(self)  # how compiled code reaches this site
@@ -715,30 +421,34 @@ class TokenSite(_SiteBase):
     def __call__(self, token_ids: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
         """Guard `token_ids` against `[0, vocab_size)`; `vocab_size` defaults to the site's
         (an engine whose vocabulary is read at every call passes it; see attach)."""
-        if getattr(token_ids, "dtype", None) not in _INTEGER_DTYPES:
-            raise self._type_error(token_ids)
+        if getattr(token_ids, "dtype", None) not in INTEGER_DTYPES:
+            raise token_type_error(self.name, token_ids)
         if _compiling():
             # The vocabulary goes into the op (a symbol under dynamic shapes); the op's eager
             # run checks it, as the line below does here.
             vocab_arg = self.vocab_size if vocab_size is None else vocab_size
             return torch.ops.guardrails.guard_token_ids_(token_ids, self._op_key, vocab_arg)  # type: ignore[no-any-return]
-        vocab = self.vocab_size if vocab_size is None else self._checked_vocab(vocab_size)
+        vocab = (
+            self.vocab_size
+            if vocab_size is None
+            else checked_vocab(self.name, vocab_size, self._written)
+        )
         try:
             plain = type(token_ids) is _TENSOR and token_ids.is_contiguous()
         except RuntimeError:
             plain = False
         if not plain:
-            self._refuse_layout(token_ids, self._sanitize, "token ids")
+            refuse_layout(self.name, token_ids, self._sanitize, "token ids")
         try:
-            rows = self._rows(token_ids)
+            rows = token_rows(token_ids)
         except RuntimeError:
-            self._rows_checked(token_ids)  # refuses a nested tensor
+            checked_token_rows(self.name, token_ids)  # refuses a nested tensor
             raise
         state = self._state
         if state is None or token_ids.device != state.device:
             state = self._state_for(token_ids)
         with self._lock:
-            key = _get_ident() if not state.streams else state.key()
+            key = get_ident() if not state.streams else state.key()
             buffers = state.last if state.owner == key else state.buffers_for(key, self.name)
             if token_ids.is_inference():
                 with _writable(token_ids):
@@ -754,51 +464,18 @@ class TokenSite(_SiteBase):
 
     def rows_of(self, token_ids: torch.Tensor) -> int:
         """The number of row flags a call on `token_ids` returns (see LogitsSite.rows_of)."""
-        if getattr(token_ids, "dtype", None) not in _INTEGER_DTYPES:
-            raise self._type_error(token_ids)
+        if getattr(token_ids, "dtype", None) not in INTEGER_DTYPES:
+            raise token_type_error(self.name, token_ids)
         if token_ids.layout is not _STRIDED or token_ids.is_nested:
-            self._refuse_layout(token_ids, False, "token ids")
-        return self._rows_checked(token_ids)
-
-    def _rows_checked(self, ids: torch.Tensor) -> int:
-        try:
-            return self._rows(ids)
-        except RuntimeError:
-            if ids.is_nested:  # a strided nested tensor has no sizes
-                self._refuse_layout(ids, False, "token ids")
-            raise
-
-    @staticmethod
-    def _rows(ids: torch.Tensor) -> int:
-        # One per id for 0-d and 1-d ids, one per [..., k] slice otherwise.
-        dim = ids.dim()
-        return _leading(ids) if dim >= 2 else ids.numel() if dim == 1 else 1
-
-    def _checked_vocab(self, vocab_size: object) -> int:
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
-            raise TensorValueError(
-                f"guardrails token site {self.name!r}: vocab_size must be an int > 0, got "
-                f"{vocab_size!r}",
-                "reference",
-            )
-        for key, value in (
-            ("replacement_id", self.config.replacement_id),
-            ("eos_token_id", self._eos),
-        ):
-            if value is not None and value >= vocab_size:
-                raise TensorValueError(
-                    f"guardrails token site {self.name!r}: {key}={value} is outside the "
-                    f"vocabulary [0, {vocab_size}) of this call",
-                    "reference",
-                )
-        return vocab_size
+            refuse_layout(self.name, token_ids, False, "token ids")
+        return checked_token_rows(self.name, token_ids)
 
     def _guard(
         self,
         ids: torch.Tensor,
         rows: int,
-        state: _DeviceState,
-        buffers: _Buffers,
+        state: DeviceState,
+        buffers: Buffers,
         vocab_size: int | None = None,
     ) -> torch.Tensor:
         flags = buffers.views.get(rows)
@@ -822,7 +499,7 @@ class TokenSite(_SiteBase):
         return flags
 
     def _end_rows_with_eos(
-        self, ids: torch.Tensor, rows: int, flags: torch.Tensor, buffers: _Buffers
+        self, ids: torch.Tensor, rows: int, flags: torch.Tensor, buffers: Buffers
     ) -> None:
         """Rows the logits site flagged NO_VALID_TOKEN in this thread's step get
         `eos_token_id` in their last id (the one sampled in this step), and that flag here
@@ -849,18 +526,6 @@ class TokenSite(_SiteBase):
             last.masked_fill_(ended.bool().reshape(last.shape), self._eos)
         else:
             ids.masked_fill_(ended.bool().reshape(ids.shape), self._eos)
-
-    def _type_error(self, ids: object) -> TensorTypeError:
-        if not isinstance(ids, torch.Tensor):
-            return TensorTypeError(
-                f"guardrails token site {self.name!r} expects a torch.Tensor of token ids, got "
-                f"{type(ids).__name__}"
-            )
-        accepted = ", ".join(str(d).removeprefix("torch.") for d in _INTEGER_DTYPES)
-        return TensorTypeError(
-            f"guardrails token site {self.name!r}: token ids must be an integer tensor, got "
-            f"{ids.dtype} (accepted: {accepted}); the tensor was not modified"
-        )
 
 
 class DisabledSite:
@@ -896,13 +561,6 @@ class DisabledSite:
 Site = LogitsSite | TokenSite | DisabledSite
 
 
-def _leading(tensor: torch.Tensor) -> int:
-    rows = 1
-    for size in tensor.shape[:-1]:
-        rows *= size
-    return rows
-
-
 class _writable:
     """Make an in-place update legal: no autograd record, and inference tensors stay usable."""
 
@@ -920,31 +578,3 @@ class _writable:
     def __exit__(self, *exc: object) -> None:
         for context in reversed(self._contexts):
             context.__exit__(*exc)
-
-
-# -- fork ----------------------------------------------------------------------------------
-
-_live: weakref.WeakSet[_SiteBase] | None = None
-_live_lock = threading.Lock()
-
-
-def _live_sites() -> weakref.WeakSet[_SiteBase]:
-    """Every site alive in this process; installs the fork hook with the first one.
-
-    A WeakSet, so that a dropped `Guardrails` and its sites are still collected.
-    """
-    global _live
-    with _live_lock:
-        if _live is None:
-            _live = weakref.WeakSet()
-            if hasattr(os, "register_at_fork"):
-                os.register_at_fork(after_in_child=_after_fork_in_child)
-        return _live
-
-
-def _after_fork_in_child() -> None:
-    global _live_lock
-    _live_lock = threading.Lock()
-    ops.after_fork_in_child()
-    for site in list(_live or ()):
-        site._after_fork_in_child()

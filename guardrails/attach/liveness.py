@@ -26,11 +26,11 @@ check is contained: a heartbeat is the engine's own call and must go on.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from guardrails import _process
 from guardrails.attach.patching import ImportPatch, around
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved
@@ -86,15 +86,11 @@ class Liveness:
         self._due = steps
         self._last: dict[str, tuple[int, int]] = {}  # name -> (calls, beat when last called)
         self._silent: set[str] = set()
-        self._lock = threading.Lock()
+        self._lock = _process.lock(self, "_lock")
 
     @property
     def beats(self) -> int:
         return self._beats
-
-    def after_fork_in_child(self) -> None:
-        """A lock a parent's thread held at the fork would skip every check in the child."""
-        self._lock = threading.Lock()
 
     def beat(self) -> None:
         """One heartbeat call. Not locked: a lost increment under a thread race delays a

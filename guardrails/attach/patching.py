@@ -33,13 +33,13 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
+from guardrails import _process
 from guardrails.attach.handles import Handle, SiteCall
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved, namespace, reader, resolve, vocab_of
@@ -168,7 +168,7 @@ class AttachErrors(_Recorder):
         self, registry: Any = None, logger: Any = None, labels: dict[str, str] | None = None
     ) -> None:
         super().__init__(registry, logger, labels)
-        self._lock = threading.Lock()
+        self._lock = _process.lock(self, "_lock")
         self.failures: list[tuple[str, str, str]] = []  # (site, target, error), in order
 
     def record(self, *, site: str, target: str, error: BaseException) -> None:
@@ -244,7 +244,7 @@ class ImportPatch(Handle):
         self._on_remove = on_remove
         self._closed = closed
         self._state: State = "pending"
-        self._lock = threading.Lock()
+        self._lock = _process.lock(self, "_lock")
         self._installed: tuple[Resolved, Any] | None = None
         # `when` names a distribution with no metadata (a source checkout on PYTHONPATH):
         # decided from the module's own __version__ once it is imported.

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+from guardrails import _process
 from guardrails.reporting.sinks import multiprocess_dir
 
 __all__ = [
@@ -87,7 +88,7 @@ class Serving:
 
 
 _SERVERS: dict[tuple[str, int], _Served] = {}
-_SERVERS_LOCK = threading.Lock()
+_SERVERS_LOCK = _process.module_lock(__name__, "_SERVERS_LOCK")
 
 
 # (addr, port) -> (what is shown there, the owners that claimed it), for this process.
@@ -154,7 +155,6 @@ def serve(
         else:
             exposed = REGISTRY if registry is None else registry
         server, thread = start_http_server(port, addr=addr, registry=exposed)
-        _watch_forks()
         owners: weakref.WeakSet[Any] = weakref.WeakSet()
         owners.add(owner)
         # Registered before the marker is written: whatever happens to the marker, this
@@ -284,8 +284,6 @@ def _forget_servers_in_child() -> None:
     # A forked child inherits the listening socket but not the thread serving it: shutting
     # that server down would wait forever for a loop that does not run here. Close the
     # child's copy of the socket (the parent's keeps serving) and forget it.
-    global _SERVERS_LOCK
-    _SERVERS_LOCK = threading.Lock()
     for served in _SERVERS.values():
         # Already closed (OSError): nothing left to release in this process.
         with contextlib.suppress(OSError):
@@ -294,12 +292,4 @@ def _forget_servers_in_child() -> None:
     _CLAIMS.clear()
 
 
-_fork_hook_installed = False
-
-
-def _watch_forks() -> None:
-    # Installed with the first server, not at import: importing guardrails has no effects.
-    global _fork_hook_installed
-    if not _fork_hook_installed and hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_forget_servers_in_child)
-        _fork_hook_installed = True
+_process.after_fork("servers", _forget_servers_in_child)

@@ -47,12 +47,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from guardrails import _process
 from guardrails.flags import CountKind
 
 if TYPE_CHECKING:
@@ -261,7 +260,7 @@ class _Binding:
         self.directory = directory
         self.sink: RegistrySink | FileSink | None = None
         self.error: Exception | None = None
-        self._lock = threading.RLock()
+        self._lock = _process.rlock(self, "_lock")
         self._families: dict[str, Any] | None = None
         self._series: dict[tuple[str, tuple[tuple[str, str], ...]], Series] = {}
         self._pending: list[Series] = []
@@ -345,15 +344,10 @@ class _Binding:
             series.queued = True
             self._pending.append(series)
 
-    def after_fork_in_child(self) -> None:
-        self._lock = threading.RLock()
-
 
 _BINDING_ATTR: Final = "_guardrails_binding"
 _default_binding: _Binding | None = None
-_bindings: weakref.WeakSet[_Binding] = weakref.WeakSet()
-_bindings_lock = threading.Lock()
-_fork_hook = False
+_bindings_lock = _process.module_lock(__name__, "_bindings_lock")
 
 
 def guard_metrics(
@@ -370,7 +364,7 @@ def guard_metrics(
     duplicate-metric error; instances sharing a registry must use the same constant label
     names (their values may differ), else `ValueError`.
     """
-    global _default_binding, _fork_hook
+    global _default_binding
     constant = dict(constant or {})
     names = tuple(sorted(constant))
     path = None if directory is None else os.fspath(directory)
@@ -387,11 +381,6 @@ def guard_metrics(
                 binding = _Binding(registry, names, None)
                 setattr(registry, _BINDING_ATTR, binding)
                 fresh = True
-        if fresh:
-            _bindings.add(binding)
-        if not _fork_hook and hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=_after_fork_in_child)
-            _fork_hook = True
     if binding.constant != names:
         raise ValueError(
             f"guardrails' metrics in this registry carry the constant labels "
@@ -413,13 +402,6 @@ def guard_metrics(
         **{spec.attr: Family(binding, spec.attr, constant) for spec in FAMILIES},
         binding=binding,
     )
-
-
-def _after_fork_in_child() -> None:
-    global _bindings_lock
-    _bindings_lock = threading.Lock()
-    for binding in list(_bindings):
-        binding.after_fork_in_child()
 
 
 def resolve_rank(environ: Mapping[str, str] | None = None) -> str:

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
 from collections.abc import Callable, Iterator
 
 import torch
+
+from guardrails import _process
 
 __all__ = ["DeviceCounts", "capturing_on", "outside_captures"]
 
 _THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
 _exchange: Callable[[ctypes.c_int], int] | None = None
 _exchange_loaded = False
-_exchange_lock = threading.Lock()
+_exchange_lock = _process.module_lock(__name__, "_exchange_lock")
 
 
 def _capture_mode_exchange() -> Callable[[ctypes.c_int], int] | None:

@@ -34,15 +34,14 @@ import atexit
 import contextlib
 import errno
 import math
-import os
 import socket
-import threading
 import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from guardrails import _process
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger, configure_json_logs
@@ -194,7 +193,7 @@ class Reporter:
         # released). `_reporting` tells a re-entry on the holder's own thread (a signal
         # handler, a finalizer run by the garbage collector) to return instead of working on
         # half-updated state: the report in progress picks its counts up.
-        self._lock = threading.RLock()
+        self._lock = _process.rlock(self, "_lock")
         self._reporting = False
         self._sites: dict[int, _SiteReport] = {}
         # Imports nothing of prometheus_client: the families open later (see
@@ -206,7 +205,8 @@ class Reporter:
         self._errors: dict[str, Any] = {}
         self._uncounted: Counter[str] = Counter()  # faults before the error series existed
         self._logged_faults: set[str] = set()
-        self._faults_lock = threading.Lock()  # guards the two above; held for no callback
+        # Guards the two above; held for no callback.
+        self._faults_lock = _process.lock(self, "_faults_lock")
         self._closed = False
         if settings.reporting.log_format == "json":
             configure_json_logs()
@@ -680,9 +680,7 @@ class Reporter:
     def _after_fork_in_child(self) -> None:
         # The parent reports what was counted before the fork; a forked child reports only
         # its own calls (in multiprocess mode both write their own files, which are summed).
-        self._lock = threading.RLock()
         self._reporting = False
-        self._faults_lock = threading.Lock()
         for report in self._sites.values():
             report.reported_calls = report.logged_calls = report.site.calls
             for counts, base in report.devices:
@@ -696,22 +694,20 @@ class Reporter:
 
 # -- interpreter exit and fork -------------------------------------------------------------
 
-_live: weakref.WeakSet[Reporter] | None = None
-_live_lock = threading.Lock()
+_live: _process.Live[Reporter] | None = None
+_live_lock = _process.module_lock(__name__, "_live_lock")
 
 
-def _live_reporters() -> weakref.WeakSet[Reporter]:
-    """Reporters not yet closed; installs the exit and fork hooks with the first one.
+def _live_reporters() -> _process.Live[Reporter]:
+    """Reporters not yet closed; installs the exit hook with the first one.
 
-    A WeakSet, so that a `Guardrails` dropped without `close()` is still collected.
+    Weak, so that a `Guardrails` dropped without `close()` is still collected.
     """
     global _live
     with _live_lock:
         if _live is None:
-            _live = weakref.WeakSet()
+            _live = _process.Live()
             atexit.register(_flush_at_exit)
-            if hasattr(os, "register_at_fork"):
-                os.register_at_fork(after_in_child=_after_fork_in_child)
         return _live
 
 
@@ -723,3 +719,6 @@ def _flush_at_exit() -> None:
 def _after_fork_in_child() -> None:
     for reporter in list(_live or ()):
         reporter._after_fork_in_child()
+
+
+_process.after_fork("reporters", _after_fork_in_child)

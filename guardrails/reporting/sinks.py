@@ -28,10 +28,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Protocol
+
+from guardrails import _process
 
 __all__ = [
     "TREE_COLLECTOR_ATTR",
@@ -47,7 +47,7 @@ TREE_COLLECTOR_ATTR: Final = "_guardrails_tree_collector"
 # The families made in a registry, kept on the registry object itself (an attribute of ours):
 # a reloaded or second copy of guardrails finds them instead of registering the names again.
 _FAMILIES_ATTR: Final = "_guardrails_metric_families"
-_LOCK = threading.Lock()
+_LOCK = _process.module_lock(__name__, "_LOCK")
 
 
 def multiprocess_dir(environ: Mapping[str, str] | None = None) -> str | None:
@@ -175,7 +175,7 @@ class FileSink:
         MultiProcessCollector(None, path=directory)  # type: ignore[no-untyped-call]  # untyped upstream
         self.directory = directory
         self.registry: Any = REGISTRY
-        self._lock = threading.Lock()
+        self._lock = _process.lock(self, "_lock")
         self._files: dict[str, Any] = {}
         self._children: list[_FileChild] = []
         _live_sinks().add(self)
@@ -217,7 +217,6 @@ class FileSink:
         # The parent's files stay the parent's: this process writes its own from 0, into the
         # host's directory if the parent set one before forking (vLLM sets its own before it
         # forks engine cores for several API servers, whose /metrics reads only that one).
-        self._lock = threading.Lock()
         self.directory = multiprocess_dir() or self.directory
         for mmaped in self._files.values():
             with contextlib.suppress(Exception):
@@ -299,17 +298,15 @@ class _FileChild:
             self.sink.read(self)
 
 
-_sinks: weakref.WeakSet[FileSink] | None = None
+_sinks: _process.Live[FileSink] | None = None
 
 
-def _live_sinks() -> weakref.WeakSet[FileSink]:
-    # The exit and fork hooks are installed with the first file sink, not at import.
+def _live_sinks() -> _process.Live[FileSink]:
+    # The exit hook is installed with the first file sink, not at import.
     global _sinks
     if _sinks is None:
-        _sinks = weakref.WeakSet()
+        _sinks = _process.Live()
         atexit.register(_close_at_exit)
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=_after_fork_in_child)
     return _sinks
 
 
@@ -321,3 +318,6 @@ def _close_at_exit() -> None:
 def _after_fork_in_child() -> None:
     for sink in list(_sinks or ()):
         sink.after_fork_in_child()
+
+
+_process.after_fork("sinks", _after_fork_in_child)

@@ -102,7 +102,8 @@ def test_the_graph_sees_the_package() -> None:
     # Guards the test itself: a graph with no edges would have no cycle either.
     assert len(MODULES) > 40
     assert "guardrails.sites" in GRAPH["guardrails.service"]
-    assert "guardrails.reporting.mirror" in GRAPH["guardrails.sites"]
+    assert "guardrails.reporting.mirror" in GRAPH["guardrails._site_buffers"]
+    assert "guardrails._site_buffers" in GRAPH["guardrails.sites"]
 
 
 def test_no_import_cycle_lazy_and_type_checking_imports_included() -> None:
@@ -139,6 +140,14 @@ def test_the_shared_vocabulary_imports_nothing_of_guardrails(module: str) -> Non
         ("guardrails.settings", "guardrails.sites"),
         ("guardrails.settings", "guardrails.service"),
         ("guardrails.settings", "guardrails.reporting"),
+        # A site's buffers and input checks sit below the sites and above the kernels.
+        ("guardrails._site_buffers", "guardrails.sites"),
+        ("guardrails._site_inputs", "guardrails.sites"),
+        ("guardrails.kernels", "guardrails._site_buffers"),
+        ("guardrails.kernels", "guardrails._site_inputs"),
+        ("guardrails.reporting", "guardrails._site_buffers"),
+        # Process state is the bottom layer: it imports nothing of guardrails.
+        ("guardrails._process", "guardrails"),
     ],
 )
 def test_lower_layers_never_import_higher_ones(low: str, high: str) -> None:

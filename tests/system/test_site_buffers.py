@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from guardrails import RowFlag, sites
+from guardrails import RowFlag, _site_buffers, sites
 from guardrails.testing import fresh_guardrails
 
 SITE = "sampler.logits"
@@ -54,8 +54,8 @@ class _Streams:
         assert state is not None
         state.streams = True
         self.state = state
-        monkeypatch.setattr(sites, "_cuda_stream_id", lambda index: self.stream)
-        monkeypatch.setattr(sites, "capturing_on", lambda device: self.capturing)
+        monkeypatch.setattr(_site_buffers, "cuda_stream_id", lambda index: self.stream)
+        monkeypatch.setattr(_site_buffers, "capturing_on", lambda device: self.capturing)
 
 
 @pytest.fixture
@@ -163,7 +163,7 @@ def test_recent_is_the_calling_threads_latest_call_on_any_device() -> None:
     site(dirty)
     # Another thread used another device last (two workers, one GPU each): a state of its
     # own becomes the site's most recent one. This thread's latest call is still found.
-    other = sites._DeviceState(torch.device("cpu", 1), 2, len(site.slots), None)
+    other = _site_buffers.DeviceState(torch.device("cpu", 1), 2, len(site.slots), None)
     site._states[torch.device("cpu", 1)] = other
     site._state = other
     found = site.recent()

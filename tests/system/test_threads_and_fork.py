@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -23,6 +22,7 @@ import torch
 from guardrails import Guardrails, RowFlag
 from guardrails.logs import SilentLogger
 from guardrails.testing import fresh_guardrails
+from tests.system.fork_workload import child_status
 
 CLEAN_CALLS = 20_000  # the shared flags buffer showed another thread's flags within ~10k-40k
 FORKS = 5
@@ -159,15 +159,7 @@ def test_an_abort_policy_shared_by_threads_never_ends_a_clean_request(
 
 def _child_status(pid: int) -> int | str:
     """The child's exit status, or "deadlocked" (killed) if it outlives CHILD_WAIT_S."""
-    deadline = time.monotonic() + CHILD_WAIT_S
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return "deadlocked"
+    return child_status(pid, CHILD_WAIT_S)
 
 
 def _in_child(guards: Guardrails) -> int:

@@ -104,11 +104,12 @@ def run(args: argparse.Namespace) -> int:
     total = len(config.dtypes) * len(config.batches) * 2
     done = [0]
 
-    def progress(row: str) -> None:
+    def progress(case: bench.CaseResult) -> None:
         done[0] += 1
-        dtype, batch, state = row.split()[:3]
         print(
-            f"measured {dtype} B={batch} {state} ({done[0]}/{total})", file=sys.stderr, flush=True
+            f"measured {case.dtype} B={case.batch} {case.state} ({done[0]}/{total})",
+            file=sys.stderr,
+            flush=True,
         )
 
     result = bench.run(config, progress=progress)
