@@ -1,0 +1,297 @@
+"""`Trace`: detect-only probes on a model's modules, and the origin report they feed.
+
+    with guards.trace(model, modules=["model.layers.*"]) as trace:
+        model(input_ids)            # probes write device flags; nothing waits
+    trace.origin                    # the latest origin reported (or None)
+
+What a call costs: per traced module, one forward hook that calls one custom op
+(`guardrails.tracing.ops`): an `aminmax` of its output and one of its input, written into a
+row of a buffer on the model's device; per model call, a pre-hook that counts the step and a
+hook that folds the rows into latched flags with a few vectorised operations. No host sync,
+no allocation that grows with the model's tensors, the same ops under `torch.compile`.
+
+The host looks only when the reporter does (`Reporter.poll`, every `reporting.every_calls`
+site calls): on the CPU the buffer is read directly; on CUDA a non-blocking copy into pinned
+memory is started and the newest completed copy read, as for the sites' counts. A site's
+non-finite hit marks an origin as wanted; the next read that holds a latched origin reports it
+(event `guardrails.nonfinite_origin`, counter `guardrails_nonfinite_origin_total`) once per
+episode: the latches are cleared after the first report pass with no new hit. The peaks feed
+the gauge `guardrails_activation_peak_ratio` for at most `PEAK_SERIES` modules.
+
+Modes: `always`; `armed` installs no hook until a site's first hit (zero cost while clean;
+the origin comes from the next poisoned step); `every:N` probes one model call in N (the hooks
+stay, the ops return at once on the other calls).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+
+from guardrails.tracing import ops
+from guardrails.tracing.modes import TraceMode, parse_mode
+from guardrails.tracing.origin import Origin, find_origin, peak_ratios
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+
+__all__ = ["PEAK_SERIES", "Trace", "match_modules"]
+
+# The gauge's module labels: the first modules to rank among the largest peaks, at most.
+PEAK_SERIES: Final = 8
+_probe: Final = torch.ops.guardrails.trace_probe_
+_step: Final = torch.ops.guardrails.trace_step_
+_latch: Final = torch.ops.guardrails.trace_latch_
+
+
+def match_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The names in `model.named_modules()` (the model itself excluded) that match a glob
+    of `patterns`, in that order; ValueError for a pattern that matches nothing."""
+    if isinstance(patterns, str):
+        raise TypeError("modules must be a list of glob patterns, not one string")
+    if not patterns:
+        raise ValueError("trace needs at least one module pattern, such as 'model.layers.*'")
+    names = [name for name, _ in model.named_modules() if name]
+    missing = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if missing:
+        from guardrails.settings.problems import closest
+
+        raise ValueError(
+            f"trace: module pattern {missing[0]!r} matches no module of "
+            f"{type(model).__name__}" + closest(missing[0], names)
+            + f" (first names: {', '.join(names[:5]) or 'none'})"
+        )
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The floating tensor a module returns: itself, the first of a tuple, or the first
+    tensor value of a mapping (transformers' ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, tuple | list):
+        return _first_tensor(value[0]) if value else None
+    if isinstance(value, dict):
+        for item in value.values():
+            if isinstance(item, torch.Tensor):
+                return item if item.is_floating_point() else None
+    return None
+
+
+def _input_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value if value.is_floating_point() else None
+    found = kwargs.get("hidden_states")
+    if isinstance(found, torch.Tensor) and found.is_floating_point():
+        return found
+    return None
+
+
+class Trace:
+    """The probes on one model (see the module docstring); a removable handle and a
+    context manager. Made by `Guardrails.trace()`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: Sequence[str],
+        mode: str | TraceMode = "always",
+        *,
+        on_remove: Callable[[Trace], None] | None = None,
+    ) -> None:
+        self.mode = parse_mode(mode)
+        self.names = tuple(match_modules(model, modules))
+        self.patterns = tuple(modules)
+        self._model = model
+        self._on_remove = on_remove
+        self._lock = threading.Lock()
+        self._handles: list[RemovableHandle] = []
+        self._dtypes: list[torch.dtype | None] = [None] * len(self.names)
+        self._count = 0
+        self._removed = False
+        self.probing = not self.mode.armed
+        self.key = ops.register(self)
+        self.buffer = f"guardrails_trace_{self.key}"
+        device = _device_of(model)
+        model.register_buffer(
+            self.buffer,
+            torch.zeros(len(self.names) + 1, ops.COLUMNS, dtype=torch.float64, device=device),
+            persistent=False,
+        )
+        self._mirror: _Mirror | None = None
+        self.wanted: str | None = None  # the site whose hit asks for an origin
+        self.reported = False  # an origin of the current episode was reported
+        self.origin: Origin | None = None
+        self.armed_at_hit = False
+        if not self.mode.armed:
+            self._install()
+
+    # -- the hot path (traced by torch.compile) -------------------------------------------
+
+    def _install(self) -> None:
+        with self._lock:
+            if self._handles:
+                return
+            model = self._model
+            modules = dict(model.named_modules())
+            self._handles.append(model.register_forward_pre_hook(self._on_start))
+            for row, name in enumerate(self.names):
+                hook = self._probe_hook(row)
+                self._handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._on_end))
+
+    def _state(self) -> torch.Tensor:
+        state: torch.Tensor = getattr(self._model, self.buffer)
+        return state
+
+    def _on_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        _step(self._state(), self.key)
+
+    def _on_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        _latch(self._state(), self.key)
+
+    def _probe_hook(self, row: int) -> Callable[..., None]:
+        key = self.key
+
+        def probe(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
+            out = _first_tensor(output)
+            if out is not None:
+                _probe(self._state(), _input_of(args, kwargs), out, row, key)
+
+        return probe
+
+    # -- called by the ops (host side) ----------------------------------------------------
+
+    def step(self) -> None:
+        every = self.mode.every
+        if every > 1 and not self.mode.armed:
+            self.probing = self._count % every == 0
+        self._count += 1
+
+    def saw(self, row: int, dtype: torch.dtype) -> None:
+        self._dtypes[row] = dtype
+
+    @property
+    def steps(self) -> int:
+        """Model calls seen (probed or not) since the probes were installed."""
+        return self._count
+
+    # -- called by the reporter -----------------------------------------------------------
+
+    def hit(self, site: str) -> None:
+        """A site reported non-finite values: want an origin; arm an armed trace."""
+        if self.wanted is None:
+            self.wanted = site
+        if self.mode.armed and not self._handles and self.active:
+            self.armed_at_hit = True
+            self.probing = True
+            self._install()
+
+    def read(self) -> list[list[float]] | None:
+        """The state's rows as the host last saw them (never waits; None before a first
+        completed copy on CUDA)."""
+        state = self._state()
+        if state.device.type == "cpu":
+            rows: list[list[float]] = state.tolist()
+            return rows
+        if self._mirror is None or self._mirror.device != state.device:
+            self._mirror = _Mirror(state)
+        return self._mirror.latest(state)
+
+    def resolve(self, rows: Sequence[Sequence[float]]) -> Origin | None:
+        dtypes = [None if d is None else str(d).removeprefix("torch.") for d in self._dtypes]
+        return find_origin(self.names, rows[:-1], dtypes)
+
+    def peaks(self, rows: Sequence[Sequence[float]]) -> list[tuple[str, float]]:
+        maxima = [
+            None if d is None or not d.is_floating_point else float(torch.finfo(d).max)
+            for d in self._dtypes
+        ]
+        return peak_ratios(self.names, rows[:-1], maxima)
+
+    def clear(self) -> None:
+        """End an episode: forget the latches (the peaks stay)."""
+        state = self._state()
+        with torch.no_grad():
+            state[:-1, 4:7] = 0
+        self.reported = False
+
+    # -- the handle -----------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """False once removed."""
+        return not self._removed
+
+    @property
+    def installed(self) -> bool:
+        """Whether the hooks are on (an armed trace installs them at its first hit)."""
+        return bool(self._handles)
+
+    def remove(self) -> None:
+        """Take the hooks and the buffer off the model. Idempotent."""
+        with self._lock:
+            if self._removed:
+                return
+            self._removed = True
+            handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        self._model._buffers.pop(self.buffer, None)
+        on_remove, self._on_remove = self._on_remove, None
+        if on_remove is not None:
+            on_remove(self)
+
+    def __enter__(self) -> Trace:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"<Trace {self.mode} modules={len(self.names)} installed={self.installed}>"
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+class _Mirror:
+    """A pinned host copy of a CUDA state buffer, refreshed without waiting."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.device = state.device
+        self.host = torch.zeros(state.shape, dtype=state.dtype, pin_memory=True)
+        self.event: Any = None
+        self.ready: list[list[float]] | None = None
+
+    def latest(self, state: torch.Tensor) -> list[list[float]] | None:
+        from guardrails.reporting.mirror import outside_captures
+
+        with outside_captures():
+            if self.event is not None and self.event.query():
+                self.ready = self.host.tolist()
+                self.event = None
+            if self.event is None and self.host.shape == state.shape:
+                self.host.copy_(state, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record()
+        return self.ready
