@@ -43,6 +43,8 @@ from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite
 if TYPE_CHECKING:
     from torch import nn
 
+    from guardrails.tracing.tracer import Trace
+
 __all__ = ["Guardrails", "default", "sanitize_logits_", "startup_warnings"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -221,6 +223,33 @@ class Guardrails:
     ) -> Handle:
         """Forward hook: guard `module`'s output logits in place at `site`."""
         return attach_module(module, self.site(site), select=select)
+
+    def trace(
+        self,
+        model: nn.Module,
+        modules: list[str] | tuple[str, ...] | None = None,
+        *,
+        mode: str | None = None,
+    ) -> Trace:
+        """Detect-only probes on the modules of `model` whose `named_modules()` names match
+        a glob of `modules` (default: the `[trace]` settings); when a site of this instance
+        reports non-finite logits, the traced module where they were born is reported
+        (`guardrails.tracing`). `mode`: "always", "armed" or "every:N" (default: settings).
+
+        Returns the removable handle (also a context manager). ValueError for a pattern that
+        matches no module or a bad mode."""
+        from guardrails.tracing.tracer import Trace
+
+        config = self.settings.trace
+        patterns = list(config.modules if modules is None else modules)
+        trace = Trace(
+            model,
+            patterns,
+            config.mode if mode is None else mode,
+            on_remove=self._reporter.drop_trace,
+        )
+        self._reporter.add_trace(trace)
+        return trace
 
     def patch(
         self,

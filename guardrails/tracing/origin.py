@@ -51,9 +51,7 @@ def find_origin(
         return None
     first = min(rows[i][4] for i in latched)
     born = [i for i in latched if rows[i][4] == first and int(rows[i][5]) == 0]
-    inner = [
-        i for i in born if not any(j != i and _descends(names[j], names[i]) for j in born)
-    ]
+    inner = [i for i in born if not any(j != i and _descends(names[j], names[i]) for j in born)]
     if not inner:
         return None
     i = inner[0]

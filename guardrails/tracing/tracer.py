@@ -64,7 +64,8 @@ def match_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
 
         raise ValueError(
             f"trace: module pattern {missing[0]!r} matches no module of "
-            f"{type(model).__name__}" + closest(missing[0], names)
+            f"{type(model).__name__}"
+            + closest(missing[0], names)
             + f" (first names: {', '.join(names[:5]) or 'none'})"
         )
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
@@ -130,6 +131,8 @@ class Trace:
         self.reported = False  # an origin of the current episode was reported
         self.origin: Origin | None = None
         self.armed_at_hit = False
+        self.misses = 0  # report passes without a hit since `wanted` was set
+        self.peak_series: dict[str, Any] = {}  # the gauge's series, by module (reporter)
         if not self.mode.armed:
             self._install()
 
@@ -189,7 +192,8 @@ class Trace:
 
     def hit(self, site: str) -> None:
         """A site reported non-finite values: want an origin; arm an armed trace."""
-        if self.wanted is None:
+        self.misses = 0
+        if self.wanted is None and not self.reported:
             self.wanted = site
         if self.mode.armed and not self._handles and self.active:
             self.armed_at_hit = True
@@ -267,10 +271,10 @@ class Trace:
 
 
 def _device_of(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
+    for parameter in model.parameters():
+        return parameter.device
+    for buffer in model.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 
@@ -286,12 +290,13 @@ class _Mirror:
     def latest(self, state: torch.Tensor) -> list[list[float]] | None:
         from guardrails.reporting.mirror import outside_captures
 
-        with outside_captures():
+        with outside_captures(), torch.cuda.device(self.device):
             if self.event is not None and self.event.query():
                 self.ready = self.host.tolist()
                 self.event = None
             if self.event is None and self.host.shape == state.shape:
                 self.host.copy_(state, non_blocking=True)
-                self.event = torch.cuda.Event()
+                # (torch.cuda.Event is untyped in torch's stubs.)
+                self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 self.event.record()
         return self.ready
