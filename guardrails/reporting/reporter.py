@@ -565,20 +565,25 @@ class Reporter:
     def _report(self, *, exact: bool, outbox: list[_Event]) -> None:
         # A copy of the list: a site made by a re-entrant call (see `_lock`) is not iterated.
         hits = []
+        clean = False
         for report in list(self._sites.values()):
+            seen = report.seen_calls
             if self._report_site(report, exact=exact, outbox=outbox):
                 hits.append(report.site.name)
+            elif report.site.kind == "logits" and report.seen_calls != seen:
+                clean = True
         if self._traces:
-            self._report_traces(hits, outbox)
+            self._report_traces(hits, clean and not hits, outbox)
 
-    def _report_traces(self, hits: list[str], outbox: list[_Event]) -> None:
+    def _report_traces(self, hits: list[str], clean: bool, outbox: list[_Event]) -> None:
         """Tell each trace of this pass's hits, report an origin it holds, clear the latches
-        after an episode, and set the peak gauge (`guardrails.tracing.tracer`)."""
+        after an episode (at a pass whose new logits calls were all clean), and set the peak
+        gauge (`guardrails.tracing.tracer`)."""
         for trace in list(self._traces):
             try:
                 if hits:
                     trace.hit(hits[0])
-                elif trace.wanted is not None:
+                elif clean and trace.wanted is not None:
                     trace.misses += 1
                 if not trace.installed:
                     continue
@@ -593,7 +598,7 @@ class Reporter:
                         # Two passes without a hit and no latch: the value was born outside
                         # the traced modules (or in an unprobed step); nothing to name.
                         trace.wanted = None
-                elif not hits and trace.reported:
+                elif clean and trace.reported:
                     trace.clear()  # the episode is over: the next one latches afresh
                 self._set_peaks(trace, rows, outbox)
             except Exception as exc:

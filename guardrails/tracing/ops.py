@@ -37,8 +37,12 @@ import torch
 __all__ = [
     "COLUMNS",
     "Probed",
+    "IMPLEMENTATIONS",
     "kind_bits",
+    "latch",
+    "probe",
     "register",
+    "step",
     "trace_latch_",
     "trace_probe_",
     "trace_step_",
@@ -104,11 +108,11 @@ def _minmax_into(state: torch.Tensor, row: int, column: int, tensor: torch.Tenso
     state[row, column : column + 2] = torch.stack((low, high))
 
 
-@torch.library.custom_op("guardrails::trace_probe_", mutates_args=("state",))
-def trace_probe_(
+def probe(
     state: torch.Tensor, input: torch.Tensor | None, output: torch.Tensor, row: int, key: str
 ) -> None:
-    """Write min/max of `output` (and `input`) into row `row` of `state`."""
+    """Write min/max of `output` (and `input`) into row `row` of `state` (the body of
+    `trace_probe_`)."""
     tracer = _tracer(key)
     if tracer is None or not tracer.probing:
         return
@@ -118,6 +122,13 @@ def trace_probe_(
     _minmax_into(state, row, _OUT_MIN, output)
 
 
+@torch.library.custom_op("guardrails::trace_probe_", mutates_args=("state",))
+def trace_probe_(
+    state: torch.Tensor, input: torch.Tensor | None, output: torch.Tensor, row: int, key: str
+) -> None:
+    probe(state, input, output, row, key)
+
+
 @trace_probe_.register_fake
 def _trace_probe_fake(
     state: torch.Tensor, input: torch.Tensor | None, output: torch.Tensor, row: int, key: str
@@ -125,8 +136,7 @@ def _trace_probe_fake(
     return None
 
 
-@torch.library.custom_op("guardrails::trace_step_", mutates_args=("state",))
-def trace_step_(state: torch.Tensor, key: str) -> None:
+def step(state: torch.Tensor, key: str) -> None:
     """A traced forward starts: count the step (on the device: graph replays count too)."""
     tracer = _tracer(key)
     if tracer is None:
@@ -136,13 +146,17 @@ def trace_step_(state: torch.Tensor, key: str) -> None:
         state[-1, 0] += 1
 
 
+@torch.library.custom_op("guardrails::trace_step_", mutates_args=("state",))
+def trace_step_(state: torch.Tensor, key: str) -> None:
+    step(state, key)
+
+
 @trace_step_.register_fake
 def _trace_step_fake(state: torch.Tensor, key: str) -> None:
     return None
 
 
-@torch.library.custom_op("guardrails::trace_latch_", mutates_args=("state",))
-def trace_latch_(state: torch.Tensor, key: str) -> None:
+def latch(state: torch.Tensor, key: str) -> None:
     """A traced forward ended: latch each row's first non-finite step, track the peaks."""
     tracer = _tracer(key)
     if tracer is None or not tracer.probing:
@@ -159,6 +173,19 @@ def trace_latch_(state: torch.Tensor, key: str) -> None:
     rows[:, _PEAK] = torch.maximum(rows[:, _PEAK], peak)
 
 
+@torch.library.custom_op("guardrails::trace_latch_", mutates_args=("state",))
+def trace_latch_(state: torch.Tensor, key: str) -> None:
+    latch(state, key)
+
+
 @trace_latch_.register_fake
 def _trace_latch_fake(state: torch.Tensor, key: str) -> None:
     return None
+
+
+# Each op's body by op name: what a test runs under a recording mode to see inside the op.
+IMPLEMENTATIONS: Final[dict[str, Callable[..., None]]] = {
+    "trace_probe_": probe,
+    "trace_step_": step,
+    "trace_latch_": latch,
+}
