@@ -36,8 +36,8 @@ import torch
 
 __all__ = [
     "COLUMNS",
-    "Probed",
     "IMPLEMENTATIONS",
+    "Probed",
     "kind_bits",
     "latch",
     "probe",

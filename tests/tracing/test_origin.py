@@ -63,7 +63,8 @@ def test_the_origin_is_named_exactly(
     assert event["site"] == "sampler.logits"
     assert event["kind"] in ("nan", "posinf")
     assert event["dtype"] == "float16"
-    assert trace.origin is not None and trace.origin.module == EXPECTED[fault]
+    assert trace.origin is not None
+    assert trace.origin.module == EXPECTED[fault]
     assert origins(registry) == {(EXPECTED[fault], event["kind"]): 1.0}
 
 
@@ -130,7 +131,8 @@ def test_armed_names_the_origin_on_the_step_after_the_first_hit(
     with capture_logs() as logs:
         step(guards, model, CLEAN)
         assert not trace.installed  # zero cost while clean: no hook at all
-        assert model._forward_hooks == {} and model._forward_pre_hooks == {}
+        assert model._forward_hooks == {}
+        assert model._forward_pre_hooks == {}
         step(guards, model, POISONED)  # the first hit arms the probes
         assert trace.installed
         assert origin_events(logs) == []
@@ -190,7 +192,8 @@ def test_remove_takes_hooks_and_buffer_off() -> None:
     with gr.Guardrails(gr.GuardSettings()) as guards, guards.trace(model, NET_MODULES) as trace:
         assert trace.installed
         assert trace.buffer in dict(model.named_buffers())
-    assert not trace.installed and not trace.active
+    assert not trace.installed
+    assert not trace.active
     assert {name: dict(m._forward_hooks) for name, m in model.named_modules()} == hooks_before
     assert trace.buffer not in dict(model.named_buffers())
     trace.remove()  # idempotent

@@ -49,7 +49,8 @@ def test_nothing_latched_or_only_bad_inputs_names_nothing() -> None:
 
 def test_the_kind_is_the_origins_output_kind() -> None:
     found = find_origin(NAMES, [row(1, 0, 6), row(), row(), row(), row()], ["bfloat16"] * 5)
-    assert found is not None and (found.kind, found.dtype, found.step) == ("posinf", "bfloat16", 1)
+    assert found is not None
+    assert (found.kind, found.dtype, found.step) == ("posinf", "bfloat16", 1)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +93,7 @@ def test_a_bad_mode_is_a_config_error_naming_the_variable(
 def test_a_bad_file_key_is_a_config_error_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "g.toml"
     path.write_text('[trace]\nmodule = ["model.layers.*"]\n')
-    with pytest.raises(gr.ConfigError, match="trace.module"):
+    with pytest.raises(gr.ConfigError, match=r"trace\.module"):
         gr.GuardSettings(config_file=path)
 
 
@@ -101,7 +102,7 @@ def test_a_pattern_that_matches_nothing_is_named() -> None:
 
     with (
         gr.Guardrails(gr.GuardSettings()) as guards,
-        pytest.raises(ValueError, match="'layer.*' matches no module"),
+        pytest.raises(ValueError, match=r"'layer\.\*' matches no module"),
     ):
         guards.trace(net("mlp"), ["layer.*"])
 
