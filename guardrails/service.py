@@ -78,6 +78,7 @@ class Guardrails:
         self._hooks: list[Any] = []
         self._liveness: Liveness | None = None
         self._heartbeats: list[HeartbeatHandle] = []
+        self._trace_loaders: list[Any] = []  # loader patches that trace built models
         self._reporter = Reporter(self.settings, registry=registry, clock=clock, logger=logger)
         # Calls that patches leave unguarded (a tensor the site refused), counted and logged
         # once, through the same registry and the host's logging.
@@ -250,6 +251,21 @@ class Guardrails:
         )
         self._reporter.add_trace(trace)
         return trace
+
+    def trace_configured(self, *, on_error: Callable[[Exception], None] | None = None) -> list[Any]:
+        """Trace each model the engine builds with the `[trace]` settings (what `guardrails
+        run` does; `guardrails.integrations.tracing`); returns the loader patches (none when
+        no module is traced). A model the patterns do not fit goes to `on_error`; default:
+        raised with `strict_attach`, else counted in `guardrails_attach_errors_total
+        {site="trace"}` and logged, and the model runs untraced."""
+        from guardrails.integrations.tracing import trace_built_models
+
+        def failed(error: AttachError) -> None:
+            self._hook_failed("trace", "trace.modules", error, on_error)
+
+        handles = trace_built_models(self, failed)
+        self._trace_loaders.extend(handles)
+        return list(handles)
 
     def patch(
         self,
