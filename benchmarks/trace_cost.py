@@ -1,0 +1,141 @@
+"""What origin tracing costs a decode step on the CPU: traced / untraced, side by side.
+
+    .venv/bin/python benchmarks/trace_cost.py [--repeats 7]
+
+A decode step here is one token per row through a transformers Llama (`model(ids[B, 1])`,
+no KV cache: the step's matmuls without attention over a long context), then the sampler's
+guarded site on its logits (reporting every 32 calls, as by default), so the reporter's reads
+of the trace state are in the figures. Each repetition times one step of every variant in
+turn, on copies of the same model, so drift falls on all alike; medians are reported.
+
+Variants: untraced; `always` over `model.layers.*` (13 modules per layer, each probed on
+input and output); `always` over `model.layers.*.mlp` (one module per layer); `every:16`
+over `model.layers.*`; `armed` while clean (no hooks until a site's first hit).
+
+Shapes: "small" (the tests' tiny Llama: 2 layers, hidden 64, B=8, float32) and "7b-layer"
+(a stand-in for 32 layers, hidden 4096, B=8: two real decoder layers of that shape,
+intermediate 11008, 32 heads, float32; 32 such layers, 26 GB, do not fit this machine. The
+probes and the layers both cost per layer, so the two-layer ratio stands for the 32-layer one;
+the per-step latch, one vectorised pass over all rows, is included once as in the real model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+import torch  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from guardrails import Guardrails, GuardSettings  # noqa: E402
+from guardrails.logs import SilentLogger  # noqa: E402
+
+VARIANTS = {
+    "untraced": None,
+    "always layers.*": (["model.layers.*"], "always"),
+    "always layers.*.mlp": (["model.layers.*.mlp"], "always"),
+    "every:16 layers.*": (["model.layers.*"], "every:16"),
+    "armed (clean)": (["model.layers.*"], "armed"),
+}
+
+
+def build(shape: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if shape == "small":
+        config = LlamaConfig(
+            vocab_size=200,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    else:
+        config = LlamaConfig(
+            vocab_size=1024,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=2,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+        )
+    return LlamaForCausalLM(config).eval()
+
+
+def stepper(model: torch.nn.Module, guards: Guardrails, ids: torch.Tensor) -> Callable[[], float]:
+    site = guards.site("sampler.logits")
+
+    def step() -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1]
+        site(logits)
+        return time.perf_counter() - start
+
+    return step
+
+
+def measure(shape: str, repeats: int, batch: int = 8) -> dict[str, float]:
+    base = build(shape)
+    ids = torch.randint(5, 200, (batch, 1))
+    steps: dict[str, Callable[[], float]] = {}
+    keep = []
+    for name, how in VARIANTS.items():
+        model = base if how is None else copy.deepcopy(base)
+        guards = Guardrails(GuardSettings(), registry=CollectorRegistry(), logger=SilentLogger())
+        if how is not None:
+            keep.append(guards.trace(model, how[0], mode=how[1]))
+        keep.append(guards)
+        steps[name] = stepper(model, guards, ids)
+    for step in steps.values():  # warm-up
+        for _ in range(2):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            times[name].append(step())
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--shapes", default="small,7b-layer")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    results = {}
+    for shape in args.shapes.split(","):
+        repeats = args.repeats * 20 if shape == "small" else args.repeats
+        medians = measure(shape, repeats)
+        base = medians["untraced"]
+        results[shape] = {
+            name: {"median_ms": value * 1e3, "ratio": value / base} for name, value in medians.items()
+        }
+        print(f"{shape} (B=8, float32, {repeats} steps each, CPU threads={torch.get_num_threads()})")
+        for name, value in medians.items():
+            print(f"  {name:22s} {value * 1e3:9.3f} ms   x{value / base:.3f}")
+    out = ROOT / "benchmarks" / "results" / "trace_cost.json"
+    out.write_text(
+        json.dumps(
+            {"machine": platform.processor() or platform.machine(), "results": results},
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"written: {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
