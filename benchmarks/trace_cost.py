@@ -109,6 +109,41 @@ def measure(shape: str, repeats: int, batch: int = 8) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def probe_costs(rows: int = 32 * 13, batch: int = 8, hidden: int = 4096) -> dict[str, float]:
+    """Seconds per call of the probe op on a [B, 1, hidden] float32 output (and input), and of
+    the per-step latch over `rows` rows: the traced cost of a 32-layer step, measured without
+    the layer's own noise around it."""
+    from guardrails.tracing import ops
+
+    class Tracer:
+        probing = True
+
+        def step(self) -> None:
+            return None
+
+        def saw(self, row: int, dtype: torch.dtype) -> None:
+            return None
+
+    tracer = Tracer()
+    key = ops.register(tracer)
+    state = torch.zeros(rows + 1, ops.COLUMNS, dtype=torch.float64)
+    x = torch.randn(batch, 1, hidden)
+    probe = torch.ops.guardrails.trace_probe_
+    latch = torch.ops.guardrails.trace_latch_
+    n = 2000
+    for _ in range(100):
+        probe(state, x, x, 3, key)
+    start = time.perf_counter()
+    for _ in range(n):
+        probe(state, x, x, 3, key)
+    per_probe = (time.perf_counter() - start) / n
+    start = time.perf_counter()
+    for _ in range(n // 10):
+        latch(state, key)
+    per_latch = (time.perf_counter() - start) / (n // 10)
+    return {"probe_s": per_probe, "latch_s": per_latch, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -121,11 +156,25 @@ def main() -> None:
         medians = measure(shape, repeats)
         base = medians["untraced"]
         results[shape] = {
-            name: {"median_ms": value * 1e3, "ratio": value / base} for name, value in medians.items()
+            name: {"median_ms": value * 1e3, "ratio": value / base}
+            for name, value in medians.items()
         }
-        print(f"{shape} (B=8, float32, {repeats} steps each, CPU threads={torch.get_num_threads()})")
+        threads = torch.get_num_threads()
+        print(f"{shape} (B=8, float32, {repeats} steps each, CPU threads={threads})")
         for name, value in medians.items():
             print(f"  {name:22s} {value * 1e3:9.3f} ms   x{value / base:.3f}")
+        if shape != "small":
+            costs = probe_costs()
+            layer = base / 2  # the stand-in has two layers
+            traced = costs["rows"] * costs["probe_s"] + costs["latch_s"]
+            estimate = 1 + traced / (32 * layer)
+            results["32-layer estimate"] = {**costs, "layer_s": layer, "ratio": estimate}
+            print(
+                f"  32 layers x 13 modules: {costs['rows']} probes x "
+                f"{costs['probe_s'] * 1e6:.1f} us + latch {costs['latch_s'] * 1e6:.1f} us = "
+                f"{traced * 1e3:.2f} ms per step on 32 x {layer * 1e3:.0f} ms of layers: "
+                f"x{estimate:.4f}"
+            )
     out = ROOT / "benchmarks" / "results" / "trace_cost.json"
     out.write_text(
         json.dumps(

@@ -585,7 +585,7 @@ class Reporter:
                     trace.hit(hits[0])
                 elif clean and trace.wanted is not None:
                     trace.misses += 1
-                if not trace.installed:
+                if trace.mode.armed and not trace.armed:
                     continue
                 rows = trace.read()
                 if rows is None:

@@ -22,6 +22,9 @@ cost does not grow with what is latched. Nothing here reads a value on the host.
 `key` names the tracer (`register()`), whose host-side switch (`armed`, `every:N`) the ops
 consult in Python: under `torch.compile` the op stays opaque, so the switch is read at run
 time, not baked into the graph. Under a CUDA graph the captured kernels replay as captured.
+Eager hooks call the bodies (`write_probe`, `write_latch`) directly, as eager sites call
+their kernels: the dispatcher's round trip through a Python custom op costs more than the
+probe itself on the CPU (about 60 us against 40 us, measured).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ __all__ = [
     "trace_latch_",
     "trace_probe_",
     "trace_step_",
+    "write_latch",
+    "write_probe",
 ]
 
 COLUMNS: Final = 8
@@ -117,6 +122,13 @@ def probe(
     if tracer is None or not tracer.probing:
         return
     tracer.saw(row, output.dtype)
+    write_probe(state, input, output, row)
+
+
+def write_probe(
+    state: torch.Tensor, input: torch.Tensor | None, output: torch.Tensor, row: int
+) -> None:
+    """The probe itself: min/max of `output` (and `input`) into row `row` of `state`."""
     if input is not None:
         _minmax_into(state, row, _IN_MIN, input)
     _minmax_into(state, row, _OUT_MIN, output)
@@ -161,6 +173,11 @@ def latch(state: torch.Tensor, key: str) -> None:
     tracer = _tracer(key)
     if tracer is None or not tracer.probing:
         return
+    write_latch(state)
+
+
+def write_latch(state: torch.Tensor) -> None:
+    """The latch itself (see `latch`)."""
     rows = state[:-1]
     step = state[-1, 0]
     out_bits = kind_bits(rows[:, _OUT_MIN], rows[:, _OUT_MAX])

@@ -18,9 +18,11 @@ non-finite hit marks an origin as wanted; the next read that holds a latched ori
 episode: the latches are cleared after the first report pass with no new hit. The peaks feed
 the gauge `guardrails_activation_peak_ratio` for at most `PEAK_SERIES` modules.
 
-Modes: `always`; `armed` installs no hook until a site's first hit (zero cost while clean;
-the origin comes from the next poisoned step); `every:N` probes one model call in N (the hooks
-stay, the ops return at once on the other calls).
+Modes: `always`; `armed` probes nothing until a site's first hit (its hooks only test one
+attribute while clean; the origin comes from the next poisoned step); `every:N` probes one
+model call in N (the other calls' hooks test the same attribute). The hooks are on from the
+start in every mode: Dynamo does not guard on hooks, so one added after `torch.compile`
+traced the model would never run.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ PEAK_SERIES: Final = 8
 _probe: Final = torch.ops.guardrails.trace_probe_
 _step: Final = torch.ops.guardrails.trace_step_
 _latch: Final = torch.ops.guardrails.trace_latch_
+# Constant-folded to True while torch.compile traces (the way sites switch to their ops).
+_compiling: Final = torch.compiler.is_compiling
 
 
 def match_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
@@ -130,11 +134,13 @@ class Trace:
         self.wanted: str | None = None  # the site whose hit asks for an origin
         self.reported = False  # an origin of the current episode was reported
         self.origin: Origin | None = None
-        self.armed_at_hit = False
+        self.armed = False  # an armed trace after its first hit
         self.misses = 0  # report passes without a hit since `wanted` was set
         self.peak_series: dict[str, Any] = {}  # the gauge's series, by module (reporter)
-        if not self.mode.armed:
-            self._install()
+        # Armed too: a hook added after torch.compile traced the model would not be seen
+        # (Dynamo does not guard on hooks), so an armed trace's hooks are there from the start
+        # and do nothing but test one attribute until the first hit.
+        self._install()
 
     # -- the hot path (traced by torch.compile) -------------------------------------------
 
@@ -154,21 +160,42 @@ class Trace:
         state: torch.Tensor = getattr(self._model, self.buffer)
         return state
 
+    # Compiled code calls the ops (opaque to the compiler, the switch read when they run);
+    # eager code reads the switch here and calls the ops' bodies, skipping the dispatcher.
+
     def _on_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        _step(self._state(), self.key)
+        if _compiling():
+            _step(self._state(), self.key)
+            return
+        self.step()
+        if self.probing:
+            state = self._state()
+            with torch.no_grad():
+                state[-1, 0] += 1
 
     def _on_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        _latch(self._state(), self.key)
+        if _compiling():
+            _latch(self._state(), self.key)
+        elif self.probing:
+            with torch.no_grad():
+                ops.write_latch(self._state())
 
     def _probe_hook(self, row: int) -> Callable[..., None]:
         key = self.key
+        dtypes = self._dtypes
 
         def probe(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
-            out = _first_tensor(output)
-            if out is not None:
-                _probe(self._state(), _input_of(args, kwargs), out, row, key)
+            if _compiling():
+                out = _first_tensor(output)
+                if out is not None:
+                    _probe(self._state(), _input_of(args, kwargs), out, row, key)
+            elif self.probing:
+                out = _first_tensor(output)
+                if out is not None:
+                    dtypes[row] = out.dtype
+                    ops.write_probe(self._state(), _input_of(args, kwargs), out, row)
 
         return probe
 
@@ -195,10 +222,9 @@ class Trace:
         self.misses = 0
         if self.wanted is None and not self.reported:
             self.wanted = site
-        if self.mode.armed and not self._handles and self.active:
-            self.armed_at_hit = True
+        if self.mode.armed and not self.armed and self.active:
+            self.armed = True
             self.probing = True
-            self._install()
 
     def read(self) -> list[list[float]] | None:
         """The state's rows as the host last saw them (never waits; None before a first
@@ -238,7 +264,7 @@ class Trace:
 
     @property
     def installed(self) -> bool:
-        """Whether the hooks are on (an armed trace installs them at its first hit)."""
+        """Whether the hooks are on (until `remove()`)."""
         return bool(self._handles)
 
     def remove(self) -> None:

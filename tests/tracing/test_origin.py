@@ -122,39 +122,42 @@ def test_a_clean_run_names_nothing_and_shows_the_peaks(
     assert all(0 < value < 1 for value in peaks.values())
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_armed_names_the_origin_on_the_step_after_the_first_hit(
-    make: Callable[..., gr.Guardrails], registry: CollectorRegistry
+    make: Callable[..., gr.Guardrails], registry: CollectorRegistry, compiled: bool
 ) -> None:
     guards = make()
     model = net("mlp")
     trace = guards.trace(model, NET_MODULES, mode="armed")
+    run = torch.compile(model) if compiled else model
     with capture_logs() as logs:
-        step(guards, model, CLEAN)
-        assert not trace.installed  # zero cost while clean: no hook at all
-        assert model._forward_hooks == {}
-        assert model._forward_pre_hooks == {}
-        step(guards, model, POISONED)  # the first hit arms the probes
-        assert trace.installed
+        step(guards, run, CLEAN)
+        assert not trace.armed
+        assert not getattr(model, trace.buffer).any()  # no probe ran while clean
+        step(guards, run, POISONED)  # the first hit arms the probes
+        assert trace.armed
         assert origin_events(logs) == []
-        step(guards, model, POISONED)
+        step(guards, run, POISONED)
     (event,) = origin_events(logs)
     assert event["module"] == "layers.0.mlp"
     assert event["mode"] == "armed"
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_every_n_probes_one_step_in_n(
-    make: Callable[..., gr.Guardrails], registry: CollectorRegistry
+    make: Callable[..., gr.Guardrails], registry: CollectorRegistry, compiled: bool
 ) -> None:
     guards = make()
     model = net("proj")
     guards.trace(model, NET_MODULES, mode="every:3")
+    run = torch.compile(model, fullgraph=True) if compiled else model
     with capture_logs() as logs:
-        step(guards, model, CLEAN)  # step 1: probed
-        step(guards, model, POISONED)  # step 2: not probed, nothing to name
+        step(guards, run, CLEAN)  # step 1: probed
+        step(guards, run, POISONED)  # step 2: not probed, nothing to name
         assert origin_events(logs) == []
-        step(guards, model, POISONED)  # step 3: not probed
+        step(guards, run, POISONED)  # step 3: not probed
         assert origin_events(logs) == []
-        step(guards, model, POISONED)  # step 4: probed
+        step(guards, run, POISONED)  # step 4: probed
     (event,) = origin_events(logs)
     assert event["module"] == "layers.0.mlp.up_proj"
 
