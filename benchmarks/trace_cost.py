@@ -131,25 +131,32 @@ def probe_costs(rows: int = 32 * 13, batch: int = 8, hidden: int = 4096) -> dict
     probe = torch.ops.guardrails.trace_probe_
     latch = torch.ops.guardrails.trace_latch_
     n = 2000
-    for _ in range(100):
-        probe(state, x, x, 3, key)
-    start = time.perf_counter()
-    for _ in range(n):
-        probe(state, x, x, 3, key)
-    per_probe = (time.perf_counter() - start) / n
-    start = time.perf_counter()
-    for _ in range(n // 10):
-        latch(state, key)
-    per_latch = (time.perf_counter() - start) / (n // 10)
-    return {"probe_s": per_probe, "latch_s": per_latch, "rows": rows}
+
+    def per_call(call: Callable[[], None], count: int) -> float:
+        for _ in range(count // 10):
+            call()
+        start = time.perf_counter()
+        for _ in range(count):
+            call()
+        return (time.perf_counter() - start) / count
+
+    return {
+        "probe_s": per_call(lambda: ops.write_probe(state, x, x, 3), n),  # eager hooks
+        "probe_op_s": per_call(lambda: probe(state, x, x, 3, key), n),  # compiled code
+        "latch_s": per_call(lambda: latch(state, key), n // 10),
+        "rows": rows,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--shapes", default="small,7b-layer")
+    # One thread by default: on a shared 2-core machine two torch threads wait on each other
+    # whenever another process holds a core, and medians then swing by 2x between runs.
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     results = {}
     for shape in args.shapes.split(","):
         repeats = args.repeats * 20 if shape == "small" else args.repeats
@@ -160,7 +167,7 @@ def main() -> None:
             for name, value in medians.items()
         }
         threads = torch.get_num_threads()
-        print(f"{shape} (B=8, float32, {repeats} steps each, CPU threads={threads})")
+        print(f"{shape} (B=8, float32, {repeats} steps each, torch threads={threads})")
         for name, value in medians.items():
             print(f"  {name:22s} {value * 1e3:9.3f} ms   x{value / base:.3f}")
         if shape != "small":
@@ -171,7 +178,8 @@ def main() -> None:
             results["32-layer estimate"] = {**costs, "layer_s": layer, "ratio": estimate}
             print(
                 f"  32 layers x 13 modules: {costs['rows']} probes x "
-                f"{costs['probe_s'] * 1e6:.1f} us + latch {costs['latch_s'] * 1e6:.1f} us = "
+                f"{costs['probe_s'] * 1e6:.1f} us (the op, as compiled code calls it: "
+                f"{costs['probe_op_s'] * 1e6:.1f} us) + latch {costs['latch_s'] * 1e6:.1f} us = "
                 f"{traced * 1e3:.2f} ms per step on 32 x {layer * 1e3:.0f} ms of layers: "
                 f"x{estimate:.4f}"
             )
