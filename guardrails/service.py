@@ -79,6 +79,7 @@ class Guardrails:
         self._liveness: Liveness | None = None
         self._heartbeats: list[HeartbeatHandle] = []
         self._trace_loaders: list[Any] = []  # loader patches that trace built models
+        self._traces: list[Trace] = []  # guards.trace() handles, removed at close()
         self._reporter = Reporter(self.settings, registry=registry, clock=clock, logger=logger)
         # Calls that patches leave unguarded (a tensor the site refused), counted and logged
         # once, through the same registry and the host's logging.
@@ -243,14 +244,25 @@ class Guardrails:
 
         config = self.settings.trace
         patterns = list(config.modules if modules is None else modules)
+        if self._closed:
+            raise RuntimeError("this Guardrails instance is closed")
         trace = Trace(
-            model,
-            patterns,
-            config.mode if mode is None else mode,
-            on_remove=self._reporter.drop_trace,
+            model, patterns, config.mode if mode is None else mode, on_remove=self._forget
         )
         self._reporter.add_trace(trace)
+        with self._lock:
+            self._traces.append(trace)
         return trace
+
+    def _forget(self, trace: Trace) -> None:
+        self._reporter.drop_trace(trace)
+        with self._lock:
+            if trace in self._traces:
+                self._traces.remove(trace)
+
+    def traces(self) -> list[Trace]:
+        """The traces made through this instance and not removed."""
+        return list(self._traces)
 
     def trace_configured(self, *, on_error: Callable[[Exception], None] | None = None) -> list[Any]:
         """Trace each model the engine builds with the `[trace]` settings (what `guardrails
@@ -502,7 +514,7 @@ class Guardrails:
 
     def close(self) -> None:
         """Report everything still pending (exactly), stop reporting and remove the heartbeat
-        patches. Idempotent."""
+        patches, the loader patches and the traces. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -512,6 +524,11 @@ class Guardrails:
         for heartbeat in self._heartbeats:
             heartbeat.remove()
         self._reporter.close()
+        # Nothing reports for them any more: their hooks come off the models.
+        for loader in self._trace_loaders:
+            loader.remove()
+        for trace in list(self._traces):
+            trace.remove()
         self._finalizer.detach()
 
     @property

@@ -84,9 +84,9 @@ def trace_built_models(
     guards: Guardrails, on_error: Callable[[AttachError], None] | None = None
 ) -> list[TracedLoader]:
     """Install the loader patches (pending until their module is imported); none when the
-    settings trace no module."""
-    if not guards.settings.trace.modules:
-        return []
+    settings trace no module or guardrails is switched off."""
+    if not guards.settings.enabled or not guards.settings.trace.modules:
+        return []  # GUARDRAILS_ENABLED=false: no site reports, so nothing would read them
     handles = []
     for text in LOADERS:
         point = AttachPoint(

@@ -200,3 +200,16 @@ def test_remove_takes_hooks_and_buffer_off() -> None:
     assert {name: dict(m._forward_hooks) for name, m in model.named_modules()} == hooks_before
     assert trace.buffer not in dict(model.named_buffers())
     trace.remove()  # idempotent
+
+
+def test_close_takes_the_traces_off() -> None:
+    model = net("mlp")
+    guards = gr.Guardrails(gr.GuardSettings())
+    trace = guards.trace(model, NET_MODULES)
+    assert guards.traces() == [trace]
+    guards.close()
+    assert not trace.active
+    assert guards.traces() == []
+    assert all(not m._forward_hooks for m in model.modules())
+    with pytest.raises(RuntimeError, match="closed"):
+        guards.trace(model, NET_MODULES)
