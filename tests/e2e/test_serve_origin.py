@@ -1,6 +1,6 @@
-"""`transformers serve` under `guardrails run` with tracing on (`GUARDRAILS_TRACE`): the
-origin of the tiny Llama's planted fault (layer 0's MLP arithmetic overflows float16) is
-named in the server's log and on /metrics; a clean request names nothing."""
+"""`transformers serve` under `guardrails run` with tracing on (`GUARDRAILS_TRACE`), in both
+modes: the origin of the tiny Llama's planted fault (layer 0's MLP arithmetic overflows
+float16) is named in the server's log and on /metrics; a clean request names nothing."""
 
 from __future__ import annotations
 
@@ -11,17 +11,20 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.client import CLEAN, GREEDY, POISONED, chat, samples
-from tests.e2e.server import Server, serving
+from tests.e2e.server import CB_ARGS, Server, serving
 
 ORIGIN_EVENT = "guardrails.nonfinite_origin"
 ORIGIN = "guardrails_nonfinite_origin_total"
 
 
-@pytest.fixture(scope="module")
-def traced(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("traced") / "server.log"
+@pytest.fixture(scope="module", params=["plain", "batching"])
+def traced(
+    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp(f"traced-{request.param}") / "server.log"
     settings = {"GUARDRAILS_TRACE": "model.layers.*,model.norm"}
-    with serving(model_dir, log, settings=settings) as server:
+    extra = ("--continuous-batching", *CB_ARGS) if request.param == "batching" else ()
+    with serving(model_dir, log, *extra, settings=settings) as server:
         yield server
 
 
