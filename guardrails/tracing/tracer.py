@@ -28,6 +28,7 @@ traced the model would never run.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -242,10 +243,7 @@ class Trace:
         return find_origin(self.names, rows[:-1], dtypes)
 
     def peaks(self, rows: Sequence[Sequence[float]]) -> list[tuple[str, float]]:
-        maxima = [
-            None if d is None or not d.is_floating_point else float(torch.finfo(d).max)
-            for d in self._dtypes
-        ]
+        maxima = [_largest(d) for d in self._dtypes]
         return peak_ratios(self.names, rows[:-1], maxima)
 
     def clear(self) -> None:
@@ -294,6 +292,14 @@ class Trace:
 
     def __repr__(self) -> str:
         return f"<Trace {self.mode} modules={len(self.names)} installed={self.installed}>"
+
+
+@functools.cache
+def _largest(dtype: torch.dtype | None) -> float | None:
+    """The dtype's largest finite value (None: not seen yet, or not floating)."""
+    if dtype is None or not dtype.is_floating_point:
+        return None
+    return float(torch.finfo(dtype).max)
 
 
 def _device_of(model: nn.Module) -> torch.device:
