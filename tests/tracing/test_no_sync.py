@@ -56,3 +56,32 @@ def test_a_traced_forward_makes_no_host_sync() -> None:
 def test_an_every_n_forward_makes_no_host_sync() -> None:
     names = forward_calls("every:2", [[1, 5, TRIGGER_ID]])
     assert not SYNCS & set(names)
+
+
+def test_the_ops_pass_opcheck() -> None:
+    from guardrails.tracing import ops
+
+    class Tracer:
+        probing = True
+
+        def step(self) -> None:
+            return None
+
+        def saw(self, row: int, dtype: torch.dtype) -> None:
+            return None
+
+    tracer = Tracer()
+    key = ops.register(tracer)
+    state = torch.zeros(4, ops.COLUMNS, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float16)
+    y = torch.full((2, 3), float("inf"), dtype=torch.float16)
+    torch.library.opcheck(torch.ops.guardrails.trace_probe_.default, (state, x, y, 1, key))
+    torch.library.opcheck(torch.ops.guardrails.trace_probe_.default, (state, None, y, 2, key))
+    torch.library.opcheck(torch.ops.guardrails.trace_step_.default, (state, key))
+    torch.library.opcheck(torch.ops.guardrails.trace_latch_.default, (state, key))
+    # opcheck runs on copies; the ops themselves, in order:
+    torch.ops.guardrails.trace_step_(state, key)
+    torch.ops.guardrails.trace_probe_(state, x, y, 1, key)
+    torch.ops.guardrails.trace_latch_(state, key)
+    assert state[1, 4:7].tolist() == [1.0, 0.0, 2.0]  # step 1, finite input, +inf output
+    assert state[2, 4] == 0  # a row never written stays unlatched
