@@ -364,6 +364,10 @@ class Reporter:
             "config_file": None if config is None else str(config),
             "hooks": list(settings.hooks),
             "strict_attach": settings.strict_attach,
+            # What `guardrails run` traces (None: nothing); code may call trace() regardless.
+            "trace": {"modules": list(settings.trace.modules), "mode": settings.trace.mode}
+            if settings.trace.modules
+            else None,
             "warnings": list(warnings),
         }
         # Best effort, not counted: a logger that fails here fails on the first real event

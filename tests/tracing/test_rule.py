@@ -112,3 +112,17 @@ def test_a_bad_mode_in_code_is_refused() -> None:
 
     with gr.Guardrails(gr.GuardSettings()) as guards, pytest.raises(ValueError, match="every:N"):
         guards.trace(net("mlp"), ["layers.*"], mode="every:0")
+
+
+def test_the_start_event_says_what_is_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from structlog.testing import capture_logs
+
+    from guardrails.names import STARTED_EVENT
+
+    with capture_logs() as logs:
+        gr.Guardrails(gr.GuardSettings()).close()
+        monkeypatch.setenv("GUARDRAILS_TRACE", "model.layers.*")
+        gr.Guardrails(gr.GuardSettings()).close()
+    plain, traced = (e["trace"] for e in logs if e["event"] == STARTED_EVENT)
+    assert plain is None
+    assert traced == {"modules": ["model.layers.*"], "mode": "always"}
