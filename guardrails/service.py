@@ -247,7 +247,11 @@ class Guardrails:
         if self._closed:
             raise RuntimeError("this Guardrails instance is closed")
         trace = Trace(
-            model, patterns, config.mode if mode is None else mode, on_remove=self._forget
+            model,
+            patterns,
+            config.mode if mode is None else mode,
+            on_remove=self._forget,
+            errors=self._hook_errors,
         )
         self._reporter.add_trace(trace)
         with self._lock:

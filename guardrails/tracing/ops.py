@@ -72,6 +72,14 @@ class Probed(Protocol):
         """Row `row`'s output had `dtype` (host metadata, for the origin event)."""
         ...
 
+    def failed(self, row: int, error: Exception) -> None:
+        """Probing row `row` raised (a dtype `aminmax` lacks): count it, stop probing it."""
+        ...
+
+    def is_off(self, row: int) -> bool:
+        """Whether row `row` stopped probing after a failure."""
+        ...
+
 
 _TRACERS: dict[str, weakref.ref[Probed]] = {}
 _KEYS = itertools.count(1)
@@ -119,10 +127,13 @@ def probe(
     """Write min/max of `output` (and `input`) into row `row` of `state` (the body of
     `trace_probe_`)."""
     tracer = _tracer(key)
-    if tracer is None or not tracer.probing:
+    if tracer is None or not tracer.probing or tracer.is_off(row):
         return
     tracer.saw(row, output.dtype)
-    write_probe(state, input, output, row)
+    try:
+        write_probe(state, input, output, row)
+    except Exception as exc:  # never the model's call that fails because of a probe
+        tracer.failed(row, exc)
 
 
 def write_probe(

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.hooks import RemovableHandle
 
+    from guardrails.reporting.hook_errors import HookErrors
+
 __all__ = ["PEAK_SERIES", "Trace", "match_modules"]
 
 # The gauge's module labels: the first modules to rank among the largest peaks, at most.
@@ -111,6 +113,7 @@ class Trace:
         mode: str | TraceMode = "always",
         *,
         on_remove: Callable[[Trace], None] | None = None,
+        errors: HookErrors | None = None,
     ) -> None:
         self.mode = parse_mode(mode)
         self.names = tuple(match_modules(model, modules))
@@ -122,6 +125,8 @@ class Trace:
         self._dtypes: list[torch.dtype | None] = [None] * len(self.names)
         self._count = 0
         self._removed = False
+        self._errors = errors
+        self._off: set[int] = set()  # rows whose probe failed (counted and logged once)
         self.probing = not self.mode.armed
         self.key = ops.register(self)
         self.buffer = f"guardrails_trace_{self.key}"
@@ -184,6 +189,7 @@ class Trace:
     def _probe_hook(self, row: int) -> Callable[..., None]:
         key = self.key
         dtypes = self._dtypes
+        off = self._off
 
         def probe(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -192,11 +198,14 @@ class Trace:
                 out = _first_tensor(output)
                 if out is not None:
                     _probe(self._state(), _input_of(args, kwargs), out, row, key)
-            elif self.probing:
+            elif self.probing and row not in off:
                 out = _first_tensor(output)
                 if out is not None:
                     dtypes[row] = out.dtype
-                    ops.write_probe(self._state(), _input_of(args, kwargs), out, row)
+                    try:
+                        ops.write_probe(self._state(), _input_of(args, kwargs), out, row)
+                    except Exception as exc:  # never the model's call that fails for a probe
+                        self.failed(row, exc)
 
         return probe
 
@@ -210,6 +219,17 @@ class Trace:
 
     def saw(self, row: int, dtype: torch.dtype) -> None:
         self._dtypes[row] = dtype
+
+    def failed(self, row: int, error: Exception) -> None:
+        """A probe raised: that module is probed no more; counted in
+        `guardrails_hook_errors_total{hook="trace"}` and logged once per module."""
+        first = row not in self._off
+        self._off.add(row)
+        if self._errors is not None:
+            self._errors.record("trace", self.names[row], error, log=first)
+
+    def is_off(self, row: int) -> bool:
+        return row in self._off
 
     @property
     def steps(self) -> int:

@@ -213,3 +213,37 @@ def test_close_takes_the_traces_off() -> None:
     assert all(not m._forward_hooks for m in model.modules())
     with pytest.raises(RuntimeError, match="closed"):
         guards.trace(model, NET_MODULES)
+
+
+class _Float8Out(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float8_e4m3fn)
+
+
+class _WithFloat8(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = net("mlp")
+        self.cast = _Float8Out()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.net(ids)
+        self.cast(logits)  # a module whose output aminmax cannot read
+        return logits
+
+
+def test_a_probe_that_fails_never_fails_the_models_call(
+    make: Callable[..., gr.Guardrails], registry: CollectorRegistry
+) -> None:
+    guards = make()
+    model = _WithFloat8()
+    guards.trace(model, ["cast", "net.layers.*"])
+    with capture_logs() as logs:
+        for _ in range(2):
+            step(guards, model, POISONED)
+    errors = [e for e in logs if e["event"] == "guardrails.hook_error"]
+    assert [(e["hook"], e["part"]) for e in errors] == [("trace", "cast")]  # logged once
+    assert "aminmax" in errors[0]["error"]
+    assert registry.get_sample_value("guardrails_hook_errors_total", {"hook": "trace", "rank": "0"})
+    (event,) = origin_events(logs)  # every other module still probed
+    assert event["module"] == "net.layers.0.mlp"
