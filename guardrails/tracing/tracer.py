@@ -131,11 +131,13 @@ class Trace:
         self.key = ops.register(self)
         self.buffer = f"guardrails_trace_{self.key}"
         device = _device_of(model)
-        model.register_buffer(
-            self.buffer,
-            torch.zeros(len(self.names) + 1, ops.COLUMNS, dtype=torch.float64, device=device),
-            persistent=False,
-        )
+        # An ordinary tensor even when traced inside inference mode, so that calls made
+        # outside it can still write it (as the sites' buffers).
+        with torch.inference_mode(False):
+            state = torch.zeros(
+                len(self.names) + 1, ops.COLUMNS, dtype=torch.float64, device=device
+            )
+        model.register_buffer(self.buffer, state, persistent=False)
         self._mirror: _Mirror | None = None
         self.wanted: str | None = None  # the site whose hit asks for an origin
         self.reported = False  # an origin of the current episode was reported

@@ -247,3 +247,16 @@ def test_a_probe_that_fails_never_fails_the_models_call(
     assert registry.get_sample_value("guardrails_hook_errors_total", {"hook": "trace", "rank": "0"})
     (event,) = origin_events(logs)  # every other module still probed
     assert event["module"] == "net.layers.0.mlp"
+
+
+def test_a_trace_made_in_inference_mode_probes_outside_it(
+    make: Callable[..., gr.Guardrails],
+) -> None:
+    guards = make()
+    model = net("mlp")
+    with torch.inference_mode():
+        trace = guards.trace(model, NET_MODULES)
+    with capture_logs() as logs:
+        step(guards, model, POISONED)
+    assert trace.origin is not None
+    assert [e["module"] for e in origin_events(logs)] == ["layers.0.mlp"]
