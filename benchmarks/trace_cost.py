@@ -124,6 +124,12 @@ def probe_costs(rows: int = 32 * 13, batch: int = 8, hidden: int = 4096) -> dict
         def saw(self, row: int, dtype: torch.dtype) -> None:
             return None
 
+        def failed(self, row: int, error: Exception) -> None:
+            raise error
+
+        def is_off(self, row: int) -> bool:
+            return False
+
     tracer = Tracer()
     key = ops.register(tracer)
     state = torch.zeros(rows + 1, ops.COLUMNS, dtype=torch.float64)

@@ -70,6 +70,12 @@ def test_the_ops_pass_opcheck() -> None:
         def saw(self, row: int, dtype: torch.dtype) -> None:
             return None
 
+        def failed(self, row: int, error: Exception) -> None:
+            raise error
+
+        def is_off(self, row: int) -> bool:
+            return False
+
     tracer = Tracer()
     key = ops.register(tracer)
     state = torch.zeros(4, ops.COLUMNS, dtype=torch.float64)
