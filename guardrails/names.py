@@ -21,6 +21,7 @@ __all__ = [
     "LOGGER_NAME",
     "METRICS_SERVED_ELSEWHERE_EVENT",
     "NONFINITE_EVENT",
+    "NONFINITE_ORIGIN_EVENT",
     "NO_VALID_TOKEN_EVENT",
     "OOB_EVENT",
     "REPORTING_ERROR_EVENT",
@@ -90,6 +91,8 @@ HOOK_ERROR_EVENT: Final = "guardrails.hook_error"
 REQUEST_ABORTED_EVENT: Final = "guardrails.request_aborted"
 # GUARDRAILS_METRICS_PORT is served by another process of the same process tree.
 METRICS_SERVED_ELSEWHERE_EVENT: Final = "guardrails.metrics_served_elsewhere"
+# Tracing named the traced module where a site's non-finite values were born.
+NONFINITE_ORIGIN_EVENT: Final = "guardrails.nonfinite_origin"
 EVENT_NAMES: Final = (
     NONFINITE_EVENT,
     NO_VALID_TOKEN_EVENT,
@@ -102,6 +105,7 @@ EVENT_NAMES: Final = (
     HOOK_ERROR_EVENT,
     REQUEST_ABORTED_EVENT,
     METRICS_SERVED_ELSEWHERE_EVENT,
+    NONFINITE_ORIGIN_EVENT,
 )
 
 

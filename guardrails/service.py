@@ -42,6 +42,8 @@ from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite
 if TYPE_CHECKING:
     from torch import nn
 
+    from guardrails.tracing.tracer import Trace
+
 __all__ = ["Guardrails", "default", "sanitize_logits_", "startup_warnings"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -75,6 +77,8 @@ class Guardrails:
         self._hooks: list[Any] = []
         self._liveness: Liveness | None = None
         self._heartbeats: list[HeartbeatHandle] = []
+        self._trace_loaders: list[Any] = []  # loader patches that trace built models
+        self._traces: list[Trace] = []  # guards.trace() handles, removed at close()
         self._reporter = Reporter(self.settings, registry=registry, clock=clock, logger=logger)
         # Calls that patches leave unguarded (a tensor the site refused), counted and logged
         # once, through the same registry and the host's logging.
@@ -219,6 +223,63 @@ class Guardrails:
     ) -> Handle:
         """Forward hook: guard `module`'s output logits in place at `site`."""
         return attach_module(module, self.site(site), select=select)
+
+    def trace(
+        self,
+        model: nn.Module,
+        modules: list[str] | tuple[str, ...] | None = None,
+        *,
+        mode: str | None = None,
+    ) -> Trace:
+        """Detect-only probes on the modules of `model` whose `named_modules()` names match
+        a glob of `modules` (default: the `[trace]` settings); when a site of this instance
+        reports non-finite logits, the traced module where they were born is reported
+        (`guardrails.tracing`). `mode`: "always", "armed" or "every:N" (default: settings).
+
+        Returns the removable handle (also a context manager). ValueError for a pattern that
+        matches no module or a bad mode."""
+        from guardrails.tracing.tracer import Trace
+
+        config = self.settings.trace
+        patterns = list(config.modules if modules is None else modules)
+        if self._closed:
+            raise RuntimeError("this Guardrails instance is closed")
+        trace = Trace(
+            model,
+            patterns,
+            config.mode if mode is None else mode,
+            on_remove=self._forget,
+            errors=self._hook_errors,
+        )
+        self._reporter.add_trace(trace)
+        with self._lock:
+            self._traces.append(trace)
+        return trace
+
+    def _forget(self, trace: Trace) -> None:
+        self._reporter.drop_trace(trace)
+        with self._lock:
+            if trace in self._traces:
+                self._traces.remove(trace)
+
+    def traces(self) -> list[Trace]:
+        """The traces made through this instance and not removed."""
+        return list(self._traces)
+
+    def trace_configured(self, *, on_error: Callable[[Exception], None] | None = None) -> list[Any]:
+        """Trace each model the engine builds with the `[trace]` settings (what `guardrails
+        run` does; `guardrails.integrations.tracing`); returns the loader patches (none when
+        no module is traced). A model the patterns do not fit goes to `on_error`; default:
+        raised with `strict_attach`, else counted in `guardrails_attach_errors_total
+        {site="trace"}` and logged, and the model runs untraced."""
+        from guardrails.integrations.tracing import trace_built_models
+
+        def failed(error: AttachError) -> None:
+            self._hook_failed("trace", "trace.modules", error, on_error)
+
+        handles = trace_built_models(self, failed)
+        self._trace_loaders.extend(handles)
+        return list(handles)
 
     def patch(
         self,
@@ -455,7 +516,7 @@ class Guardrails:
 
     def close(self) -> None:
         """Report everything still pending (exactly), stop reporting and remove the heartbeat
-        patches. Idempotent."""
+        patches, the loader patches and the traces. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -465,6 +526,11 @@ class Guardrails:
         for heartbeat in self._heartbeats:
             heartbeat.remove()
         self._reporter.close()
+        # Nothing reports for them any more: their hooks come off the models.
+        for loader in self._trace_loaders:
+            loader.remove()
+        for trace in list(self._traces):
+            trace.remove()
         self._finalizer.detach()
 
     @property

@@ -9,7 +9,8 @@ written.
 
 Process side (`bootstrap`, run by the bootstrap `sitecustomize`): build the process-wide
 `guardrails.default()` from the environment, apply its attach points (pending ones apply
-when their module is imported), install the configured engine hooks, and close it at exit.
+when their module is imported), install the configured engine hooks and the `[trace]`
+probes on the models the engine builds, and close it at exit.
 Nothing here imports prometheus_client (see `guardrails.reporting.metrics`): the engine makes
 its own multiprocess choice after interpreter start. The first process of the tree (the
 command itself: exec keeps the launcher's pid) removes the tree's metrics directory at exit,
@@ -148,6 +149,7 @@ def bootstrap() -> Guardrails:
     try:
         guards.attach_configured(on_error=_die if strict else None)
         guards.install_hooks(on_error=_die if strict else None)
+        guards.trace_configured(on_error=_die if strict else None)
     except Exception as exc:  # a guardrails bug: contained unless strict, never silent
         if strict:
             _die(exc)

@@ -16,6 +16,12 @@ Contract (metric names and labels are fixed; see the design brief):
     guardrails_site_not_called{site, rank}                 gauge: 1 while an attached site
                                                            (or hook) sees no call as the
                                                            heartbeat runs (liveness)
+    guardrails_nonfinite_origin_total{module, kind, rank}  the traced module where a site's
+                                                           non-finite values were born, once
+                                                           per episode (guardrails.tracing)
+    guardrails_activation_peak_ratio{module, rank}         gauge: largest finite |output| of a
+                                                           traced module / its dtype's largest
+                                                           finite value (at most 8 modules)
 
 Constant labels (`[metrics.labels]`, GUARDRAILS_METRICS_LABELS: the engine's `model_name`,
 `engine`, `tp_rank`) are added to every family after these, so guardrails' series carry the
@@ -157,6 +163,22 @@ FAMILIES: Final = (
         type="gauge",
         multiprocess_mode="livemax",
     ),
+    FamilySpec(
+        "nonfinite_origin",
+        "guardrails_nonfinite_origin",
+        "Traced module where non-finite values a site reported were born (input finite, "
+        "output not), once per episode.",
+        ("module", "kind", "rank"),
+    ),
+    FamilySpec(
+        "activation_peak_ratio",
+        "guardrails_activation_peak_ratio",
+        "Largest finite |output| of a traced module as a share of its dtype's largest finite "
+        "value (1 is overflow); the modules with the largest peaks, at most 8.",
+        ("module", "rank"),
+        type="gauge",
+        multiprocess_mode="livemax",
+    ),
 )
 METRIC_NAMES: Final = tuple(spec.sample for spec in FAMILIES)
 # Exported name -> label names: what dashboards and alert rules may select on.
@@ -245,6 +267,8 @@ class GuardMetrics:
     attach_errors: Family
     hook_errors: Family
     site_not_called: Family
+    nonfinite_origin: Family
+    activation_peak_ratio: Family
     binding: _Binding
 
 

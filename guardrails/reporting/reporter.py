@@ -49,6 +49,7 @@ from guardrails.names import (
     METRICS_SERVED_ELSEWHERE_EVENT,
     NO_VALID_TOKEN_EVENT,
     NONFINITE_EVENT,
+    NONFINITE_ORIGIN_EVENT,
     OOB_EVENT,
     REPORTING_ERROR_EVENT,
     SITE_NOT_CALLED_EVENT,
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from guardrails.reporting.metrics import GuardMetrics, Series
     from guardrails.reporting.mirror import DeviceCounts
     from guardrails.settings import GuardSettings
+    from guardrails.tracing.tracer import Trace
 
 __all__ = ["Observation", "ReportedSite", "Reporter"]
 
@@ -196,6 +198,8 @@ class Reporter:
         self._lock = _process.rlock(self, "_lock")
         self._reporting = False
         self._sites: dict[int, _SiteReport] = {}
+        # Traced models (`guardrails.tracing`): told of hits, read for origins and peaks.
+        self._traces: list[Trace] = []
         # Imports nothing of prometheus_client: the families open later (see
         # `guardrails.reporting.metrics`), and counts made before wait in their series.
         self._metrics: GuardMetrics = metrics.guard_metrics(
@@ -360,6 +364,10 @@ class Reporter:
             "config_file": None if config is None else str(config),
             "hooks": list(settings.hooks),
             "strict_attach": settings.strict_attach,
+            # What `guardrails run` traces (None: nothing); code may call trace() regardless.
+            "trace": {"modules": list(settings.trace.modules), "mode": settings.trace.mode}
+            if settings.trace.modules
+            else None,
             "warnings": list(warnings),
         }
         # Best effort, not counted: a logger that fails here fails on the first real event
@@ -441,6 +449,17 @@ class Reporter:
                     )
                 )
         self._deliver(outbox)
+
+    def add_trace(self, trace: Trace) -> None:
+        """A traced model: its origins and peaks are reported from the next poll on."""
+        with self._lock:
+            if trace not in self._traces:
+                self._traces.append(trace)
+
+    def drop_trace(self, trace: Trace) -> None:
+        with self._lock:
+            if trace in self._traces:
+                self._traces.remove(trace)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -549,15 +568,96 @@ class Reporter:
 
     def _report(self, *, exact: bool, outbox: list[_Event]) -> None:
         # A copy of the list: a site made by a re-entrant call (see `_lock`) is not iterated.
+        hits = []
+        clean = False
         for report in list(self._sites.values()):
-            self._report_site(report, exact=exact, outbox=outbox)
+            seen = report.seen_calls
+            if self._report_site(report, exact=exact, outbox=outbox):
+                hits.append(report.site.name)
+            elif report.site.kind == "logits" and report.seen_calls != seen:
+                clean = True
+        if self._traces:
+            self._report_traces(hits, clean and not hits, outbox)
 
-    def _report_site(self, report: _SiteReport, *, exact: bool, outbox: list[_Event]) -> None:
+    def _report_traces(self, hits: list[str], clean: bool, outbox: list[_Event]) -> None:
+        """Tell each trace of this pass's hits, report an origin it holds, clear the latches
+        after an episode (at a pass whose new logits calls were all clean), and set the peak
+        gauge (`guardrails.tracing.tracer`)."""
+        for trace in list(self._traces):
+            try:
+                if hits:
+                    trace.hit(hits[0])
+                elif clean and trace.wanted is not None:
+                    trace.misses += 1
+                if trace.mode.armed and not trace.armed:
+                    continue
+                rows = trace.read()
+                if rows is None:
+                    continue
+                if trace.wanted is not None:
+                    origin = trace.resolve(rows)
+                    if origin is not None:
+                        self._origin_found(trace, origin, outbox)
+                    elif trace.misses > 1:
+                        # Two passes without a hit and no latch: the value was born outside
+                        # the traced modules (or in an unprobed step); nothing to name.
+                        trace.wanted = None
+                elif clean and trace.reported:
+                    trace.clear()  # the episode is over: the next one latches afresh
+                self._set_peaks(trace, rows, outbox)
+            except Exception as exc:
+                self._fault("poll", exc, outbox)
+
+    def _origin_found(self, trace: Trace, origin: Any, outbox: list[_Event]) -> None:
+        site, trace.wanted = trace.wanted, None
+        trace.origin = origin
+        trace.reported = True
+        rank = self._resolve_rank(outbox)
+        series = self._metrics.nonfinite_origin.labels(
+            module=origin.module, kind=origin.kind, rank=rank
+        )
+        self._increment(series, 1, outbox)
+        outbox.append(
+            (
+                "warning",
+                NONFINITE_ORIGIN_EVENT,
+                {
+                    "module": origin.module,
+                    "site": site,
+                    "kind": origin.kind,
+                    "dtype": origin.dtype,
+                    "rank": rank,
+                    "step": origin.step,
+                    "mode": str(trace.mode),
+                },
+            )
+        )
+
+    def _set_peaks(self, trace: Trace, rows: list[list[float]], outbox: list[_Event]) -> None:
+        from guardrails.tracing.tracer import PEAK_SERIES
+
+        ranked = trace.peaks(rows)
+        if not ranked:
+            return
+        rank = self._resolve_rank(outbox)
+        family = self._metrics.activation_peak_ratio
+        for module, _ratio in ranked[:PEAK_SERIES]:
+            if module not in trace.peak_series and len(trace.peak_series) < PEAK_SERIES:
+                trace.peak_series[module] = family.labels(module=module, rank=rank)
+        values = dict(ranked)
+        for module, series in trace.peak_series.items():
+            try:
+                series.set(values.get(module, 0.0))
+            except Exception as exc:
+                self._fault("metrics", exc, outbox)
+
+    def _report_site(self, report: _SiteReport, *, exact: bool, outbox: list[_Event]) -> bool:
+        """Report one site; True when it brought new non-finite logits (a trace's cue)."""
         calls = report.site.calls
         # On the CPU the counts only change with calls, and reading them is most of the cost
         # of a poll: a site not called since the last look, with nothing left to log, is done.
         if not exact and calls == report.seen_calls and report.host_only and not report.unlogged:
-            return
+            return False
         fresh = False
         for counts, base in report.devices:
             if not exact and calls == report.seen_calls and counts.device.type == "cpu":
@@ -588,6 +688,7 @@ class Reporter:
         if fresh or report.unlogged:
             report.unlogged = True
             self._maybe_log(report, fresh=fresh, final=exact, outbox=outbox)
+        return fresh and report.site.kind == "logits"
 
     def _increment(self, child: Any, delta: int, outbox: list[_Event]) -> bool:
         if child is None:

@@ -23,6 +23,7 @@ from guardrails.settings.models import (
     MetricsSettings,
     ReportingSettings,
     SiteSettings,
+    TraceSettings,
 )
 from guardrails.settings.sources import ENV_VARS, EnvVar
 
@@ -36,4 +37,5 @@ __all__ = [
     "MetricsSettings",
     "ReportingSettings",
     "SiteSettings",
+    "TraceSettings",
 ]

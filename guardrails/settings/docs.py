@@ -24,6 +24,7 @@ from guardrails.settings.models import (
     MetricsSettings,
     ReportingSettings,
     SiteSettings,
+    TraceSettings,
 )
 from guardrails.settings.schema import accepted, plain
 from guardrails.settings.sources import ENV_VARS
@@ -110,6 +111,13 @@ def settings_reference() -> str:
         "## `[metrics]`",
         "",
         *_model_table(MetricsSettings, env=env, prefix=("metrics",)),
+        "",
+        "## `[trace]`",
+        "",
+        "Origin tracing (README: Find where it came from): under `guardrails run` the model the",
+        "engine builds is probed on these modules; `guards.trace(model)` takes them as defaults.",
+        "",
+        *_model_table(TraceSettings, env=env, prefix=("trace",)),
         "",
         '## `[sites."name"]`',
         "",

@@ -53,6 +53,7 @@ from guardrails.settings.targets import (
     parse_requirement,
     parse_target,
 )
+from guardrails.tracing.modes import MODE_SYNTAX, parse_mode
 
 __all__ = [
     "ALL_DTYPES",
@@ -61,6 +62,7 @@ __all__ = [
     "MetricsSettings",
     "ReportingSettings",
     "SiteSettings",
+    "TraceSettings",
 ]
 
 DtypeName = Literal["float32", "bfloat16", "float16", "float64"]
@@ -70,7 +72,7 @@ _BOOL = "true or false (also 1/0, yes/no, on/off)"
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 # Labels of guardrails' own series (guardrails.reporting.metrics), which constant labels
 # must not shadow.
-_OWN_LABELS = frozenset({"site", "kind", "reason", "rank", "stage", "target"})
+_OWN_LABELS = frozenset({"site", "kind", "reason", "rank", "stage", "target", "module"})
 _ABORT_FLAGS = "row flag names: nan, posinf, neginf, no_valid_token, any; [] heals and carries on"
 
 
@@ -463,6 +465,52 @@ class MetricsSettings(_Frozen):
         return None if path is None else path.absolute()
 
 
+class TraceSettings(_Frozen):
+    """Origin tracing (`guardrails.tracing`): the `[trace]` table."""
+
+    modules: Annotated[
+        tuple[str, ...],
+        Field(
+            **field_meta(
+                "glob patterns over named_modules() names, comma-separated in the variable "
+                "(e.g. model.layers.*,model.norm)",
+                "modules to probe under guardrails run; empty: no tracing",
+            )
+        ),
+    ] = ()
+    mode: Annotated[
+        str,
+        Field(
+            **field_meta(
+                MODE_SYNTAX,
+                "always; armed: probes on only after a site's first hit; every:N: one model "
+                "call in N",
+            )
+        ),
+    ] = "always"
+
+    @field_validator("modules", mode="before")
+    @classmethod
+    def _one_or_more_patterns(cls, value: object) -> object:
+        # `modules = "model.layers.*"` in the file is one pattern, not a list of characters.
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("modules")
+    @classmethod
+    def _patterns(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in patterns:
+            if not pattern.strip() or any(ch.isspace() for ch in pattern):
+                raise ValueError(
+                    f"{pattern!r} is not a module pattern (a dotted name or glob, no spaces)"
+                )
+        return tuple(dict.fromkeys(patterns))
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, mode: str) -> str:
+        return str(parse_mode(mode))
+
+
 class GuardSettings(BaseSettings):
     """Everything guardrails reads from its environment, validated once.
 
@@ -563,6 +611,7 @@ class GuardSettings(BaseSettings):
     ] = 256
     reporting: ReportingSettings = ReportingSettings()
     metrics: MetricsSettings = MetricsSettings()
+    trace: TraceSettings = TraceSettings()
     sites: dict[str, SiteSettings] = Field(default_factory=dict)
     # `[[attach]]` entries (config file only): import paths to patch, never code.
     attach: tuple[AttachSettings, ...] = ()

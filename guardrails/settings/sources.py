@@ -59,6 +59,8 @@ ENV_VARS: Mapping[str, EnvVar] = {
         EnvVar("GUARDRAILS_METRICS_ADDR", ("metrics", "addr")),
         EnvVar("GUARDRAILS_METRICS_LABELS", ("metrics", "labels"), is_list=True),
         EnvVar("GUARDRAILS_METRICS_DIR", ("metrics", "dir")),
+        EnvVar("GUARDRAILS_TRACE", ("trace", "modules"), is_list=True),
+        EnvVar("GUARDRAILS_TRACE_MODE", ("trace", "mode")),
     )
 }
 

@@ -46,7 +46,14 @@ def _die_with_parent() -> None:
 class Server:
     """A started server: `base_url`, `metrics_url`, `pid`, `log` (its stdout and stderr)."""
 
-    def __init__(self, model: Path, log: Path, *extra: str, guarded: bool = True) -> None:
+    def __init__(
+        self,
+        model: Path,
+        log: Path,
+        *extra: str,
+        guarded: bool = True,
+        settings: dict[str, str] | None = None,
+    ) -> None:
         self.model = str(model)
         self.port, self.metrics_port = free_port(), free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -65,6 +72,7 @@ class Server:
             GUARDRAILS_STRICT_ATTACH="true",  # a point that does not resolve fails the start
             GUARDRAILS_LIVENESS_STEPS="8",  # the self-check judges every 8 decoding steps
         )
+        env.update(settings or {})  # a test's own GUARDRAILS_* variables (tracing)
         self._out = log.open("wb")
         self.proc = subprocess.Popen(
             [*launcher, *serve] if guarded else serve,
@@ -120,8 +128,14 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(model: Path, log: Path, *extra: str, guarded: bool = True) -> Iterator[Server]:
-    server = Server(model, log, *extra, guarded=guarded)
+def serving(
+    model: Path,
+    log: Path,
+    *extra: str,
+    guarded: bool = True,
+    settings: dict[str, str] | None = None,
+) -> Iterator[Server]:
+    server = Server(model, log, *extra, guarded=guarded, settings=settings)
     try:
         yield server
     finally:

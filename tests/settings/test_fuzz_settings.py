@@ -337,6 +337,8 @@ ENV_ACCEPTED: dict[str, list[str]] = {
     "GUARDRAILS_HEARTBEAT": ["", "pkg.mod:Cls.meth", "a.b:c, x.y:Z.w"],
     "GUARDRAILS_LIVENESS_STEPS": ["1", "256", "1000000000"],
     "GUARDRAILS_METRICS_DIR": ["", "/", "."],
+    "GUARDRAILS_TRACE": ["", "model.layers.*", "model.layers.*, model.norm"],
+    "GUARDRAILS_TRACE_MODE": ["always", "armed", "every:16"],
 }
 ENV_REJECTED: dict[str, list[str]] = {
     "GUARDRAILS_ENABLED": ["", "2", "0.0", "disable", "nein"],
@@ -354,6 +356,8 @@ ENV_REJECTED: dict[str, list[str]] = {
     "GUARDRAILS_HEARTBEAT": ["x", "os:system('x')", "a.b:c,nope"],
     "GUARDRAILS_LIVENESS_STEPS": ["0", "-1", "1.5", "true", "1e3"],
     "GUARDRAILS_METRICS_DIR": ["/nonexistent/guardrails", "/dev/null"],
+    "GUARDRAILS_TRACE": ["model layers", "a,b c"],
+    "GUARDRAILS_TRACE_MODE": ["", "sometimes", "every:0", "every:1.5"],
 }
 for _name in ("GUARDRAILS_SANITIZE", "GUARDRAILS_ASYNC_ASSERT", "GUARDRAILS_STRICT_ATTACH"):
     ENV_ACCEPTED[_name] = ENV_ACCEPTED["GUARDRAILS_ENABLED"]

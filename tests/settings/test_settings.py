@@ -53,6 +53,13 @@ GOOD_AND_BAD = {
     ),
     "GUARDRAILS_LIVENESS_STEPS": ("64", ("liveness_steps",), 64, "0"),
     "GUARDRAILS_METRICS_DIR": ("/", ("metrics", "dir"), Path("/"), "/nonexistent/guardrails"),
+    "GUARDRAILS_TRACE": (
+        "model.layers.*, model.norm",
+        ("trace", "modules"),
+        ("model.layers.*", "model.norm"),
+        "model layers",
+    ),
+    "GUARDRAILS_TRACE_MODE": ("every:4", ("trace", "mode"), "every:4", "every:0"),
 }
 
 

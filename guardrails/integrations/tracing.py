@@ -1,0 +1,101 @@
+"""Tracing under `guardrails run`: the engine's model is traced once it is built.
+
+With `[trace] modules = [...]` (or `GUARDRAILS_TRACE`) set, `trace_built_models(guards)`
+patches the loaders below, when their module is imported, so that each model they return is
+traced through `guards.trace(model)` with the settings' patterns and mode, once per model:
+
+    transformers.modeling_utils:PreTrainedModel.from_pretrained    (generate, transformers
+                                                                    serve in both modes)
+
+SGLang and vLLM build their models through their own loaders, which are not patched yet: in
+those engines call `guardrails.default().trace(model)` from code. A pattern that matches no
+module of the loaded model (another architecture) is an attach error (logged, counted in
+`guardrails_attach_errors_total{site="trace"}`, fatal only under `strict_attach`); the model
+is then returned untraced.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from guardrails.attach.patching import ImportPatch, around
+from guardrails.attach.points import AttachError, AttachPoint
+from guardrails.exceptions import Problem
+from guardrails.settings.targets import Ref, parse_target
+
+if TYPE_CHECKING:
+    from guardrails.attach.resolve import Resolved
+    from guardrails.service import Guardrails
+    from guardrails.tracing.tracer import Trace
+
+__all__ = ["LOADERS", "TracedLoader", "trace_built_models"]
+
+LOADERS: Final = ("transformers.modeling_utils:PreTrainedModel.from_pretrained",)
+
+
+class TracedLoader(ImportPatch):
+    """A model loader, wrapped: the model it returns is traced (once)."""
+
+    def __init__(
+        self,
+        point: AttachPoint,
+        guards: Guardrails,
+        on_error: Callable[[AttachError], None] | None,
+    ) -> None:
+        super().__init__(point, on_error, None, lambda: guards.closed)
+        self._guards = weakref.ref(guards)
+        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self.traces: list[Trace] = []
+        self._acting = True
+
+    def _wrap(self, resolved: Resolved) -> Callable[..., Any]:
+        def traced(args: tuple[Any, ...], kwargs: dict[str, Any], model: Any) -> None:
+            self._trace(model)
+
+        return around(resolved.func, after=traced)
+
+    def _trace(self, model: Any) -> None:
+        guards = self._guards()
+        if guards is None or guards.closed or not self._acting:
+            return
+        with self._lock:
+            if model in self._seen:
+                return
+            self._seen.add(model)
+        try:
+            self.traces.append(guards.trace(model))
+        except (ValueError, TypeError) as exc:
+            error = AttachError(
+                [Problem(guards.settings.origin("trace", "modules"), f"{exc}", None)]
+            )
+            if self._on_error is None:
+                raise error from exc
+            self._on_error(error)
+
+    def _stop(self) -> None:
+        self._acting = False
+
+
+def trace_built_models(
+    guards: Guardrails, on_error: Callable[[AttachError], None] | None = None
+) -> list[TracedLoader]:
+    """Install the loader patches (pending until their module is imported); none when the
+    settings trace no module or guardrails is switched off."""
+    if not guards.settings.enabled or not guards.settings.trace.modules:
+        return []  # GUARDRAILS_ENABLED=false: no site reports, so nothing would read them
+    handles = []
+    for text in LOADERS:
+        point = AttachPoint(
+            site="trace",
+            target=parse_target(text),
+            tensor=Ref("return"),
+            origin=guards.settings.origin("trace", "modules"),
+        )
+        handle = TracedLoader(point, guards, on_error)
+        handle.install()
+        handles.append(handle)
+    return handles

@@ -1,0 +1,356 @@
+"""`Trace`: detect-only probes on a model's modules, and the origin report they feed.
+
+    with guards.trace(model, modules=["model.layers.*"]) as trace:
+        model(input_ids)            # probes write device flags; nothing waits
+    trace.origin                    # the latest origin reported (or None)
+
+What a call costs: per traced module, one forward hook that calls one custom op
+(`guardrails.tracing.ops`): an `aminmax` of its output and one of its input, written into a
+row of a buffer on the model's device; per model call, a pre-hook that counts the step and a
+hook that folds the rows into latched flags with a few vectorised operations. No host sync,
+no allocation that grows with the model's tensors, the same ops under `torch.compile`.
+
+The host looks only when the reporter does (`Reporter.poll`, every `reporting.every_calls`
+site calls): on the CPU the buffer is read directly; on CUDA a non-blocking copy into pinned
+memory is started and the newest completed copy read, as for the sites' counts. A site's
+non-finite hit marks an origin as wanted; the next read that holds a latched origin reports it
+(event `guardrails.nonfinite_origin`, counter `guardrails_nonfinite_origin_total`) once per
+episode: the latches are cleared after the first report pass with no new hit. The peaks feed
+the gauge `guardrails_activation_peak_ratio` for at most `PEAK_SERIES` modules.
+
+Modes: `always`; `armed` probes nothing until a site's first hit (its hooks only test one
+attribute while clean; the origin comes from the next poisoned step); `every:N` probes one
+model call in N (the other calls' hooks test the same attribute). The hooks are on from the
+start in every mode: Dynamo does not guard on hooks, so one added after `torch.compile`
+traced the model would never run.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+
+from guardrails.tracing import ops
+from guardrails.tracing.modes import TraceMode, parse_mode
+from guardrails.tracing.origin import Origin, find_origin, peak_ratios
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+
+    from guardrails.reporting.hook_errors import HookErrors
+
+__all__ = ["PEAK_SERIES", "Trace", "match_modules"]
+
+# The gauge's module labels: the first modules to rank among the largest peaks, at most.
+PEAK_SERIES: Final = 8
+_probe: Final = torch.ops.guardrails.trace_probe_
+_step: Final = torch.ops.guardrails.trace_step_
+_latch: Final = torch.ops.guardrails.trace_latch_
+# Constant-folded to True while torch.compile traces (the way sites switch to their ops).
+_compiling: Final = torch.compiler.is_compiling
+
+
+def match_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The names in `model.named_modules()` (the model itself excluded) that match a glob
+    of `patterns`, in that order; ValueError for a pattern that matches nothing."""
+    if isinstance(patterns, str):
+        raise TypeError("modules must be a list of glob patterns, not one string")
+    if not patterns:
+        raise ValueError("trace needs at least one module pattern, such as 'model.layers.*'")
+    names = [name for name, _ in model.named_modules() if name]
+    missing = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if missing:
+        from guardrails.settings.problems import closest
+
+        raise ValueError(
+            f"trace: module pattern {missing[0]!r} matches no module of "
+            f"{type(model).__name__}"
+            + closest(missing[0], names)
+            + f" (first names: {', '.join(names[:5]) or 'none'})"
+        )
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The floating tensor a module returns: itself, the first of a tuple, or the first
+    tensor value of a mapping (transformers' ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, tuple | list):
+        return _first_tensor(value[0]) if value else None
+    if isinstance(value, dict):
+        for item in value.values():
+            if isinstance(item, torch.Tensor):
+                return item if item.is_floating_point() else None
+    return None
+
+
+def _input_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value if value.is_floating_point() else None
+    found = kwargs.get("hidden_states")
+    if isinstance(found, torch.Tensor) and found.is_floating_point():
+        return found
+    return None
+
+
+class Trace:
+    """The probes on one model (see the module docstring); a removable handle and a
+    context manager. Made by `Guardrails.trace()`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: Sequence[str],
+        mode: str | TraceMode = "always",
+        *,
+        on_remove: Callable[[Trace], None] | None = None,
+        errors: HookErrors | None = None,
+    ) -> None:
+        self.mode = parse_mode(mode)
+        self.names = tuple(match_modules(model, modules))
+        self.patterns = tuple(modules)
+        self._model = model
+        self._on_remove = on_remove
+        self._lock = threading.Lock()
+        self._handles: list[RemovableHandle] = []
+        self._dtypes: list[torch.dtype | None] = [None] * len(self.names)
+        self._count = 0
+        self._removed = False
+        self._errors = errors
+        self._off: set[int] = set()  # rows whose probe failed (counted and logged once)
+        self.probing = not self.mode.armed
+        self.key = ops.register(self)
+        self.buffer = f"guardrails_trace_{self.key}"
+        device = _device_of(model)
+        # An ordinary tensor even when traced inside inference mode, so that calls made
+        # outside it can still write it (as the sites' buffers).
+        with torch.inference_mode(False):
+            state = torch.zeros(
+                len(self.names) + 1, ops.COLUMNS, dtype=torch.float64, device=device
+            )
+        model.register_buffer(self.buffer, state, persistent=False)
+        self._mirror: _Mirror | None = None
+        self.wanted: str | None = None  # the site whose hit asks for an origin
+        self.reported = False  # an origin of the current episode was reported
+        self.origin: Origin | None = None
+        self.armed = False  # an armed trace after its first hit
+        self.misses = 0  # report passes without a hit since `wanted` was set
+        self.peak_series: dict[str, Any] = {}  # the gauge's series, by module (reporter)
+        # Armed too: a hook added after torch.compile traced the model would not be seen
+        # (Dynamo does not guard on hooks), so an armed trace's hooks are there from the start
+        # and do nothing but test one attribute until the first hit.
+        self._install()
+
+    # -- the hot path (traced by torch.compile) -------------------------------------------
+
+    def _install(self) -> None:
+        with self._lock:
+            if self._handles:
+                return
+            model = self._model
+            modules = dict(model.named_modules())
+            self._handles.append(model.register_forward_pre_hook(self._on_start))
+            for row, name in enumerate(self.names):
+                hook = self._probe_hook(row)
+                self._handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._on_end))
+
+    def _state(self) -> torch.Tensor:
+        state: torch.Tensor = getattr(self._model, self.buffer)
+        return state
+
+    # Compiled code calls the ops (opaque to the compiler, the switch read when they run);
+    # eager code reads the switch here and calls the ops' bodies, skipping the dispatcher.
+
+    def _on_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if _compiling():
+            _step(self._state(), self.key)
+            return
+        self.step()
+        if self.probing:
+            state = self._state()
+            with torch.no_grad():
+                state[-1, 0] += 1
+
+    def _on_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if _compiling():
+            _latch(self._state(), self.key)
+        elif self.probing:
+            with torch.no_grad():
+                ops.write_latch(self._state())
+
+    def _probe_hook(self, row: int) -> Callable[..., None]:
+        key = self.key
+        dtypes = self._dtypes
+        off = self._off
+
+        def probe(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
+            if _compiling():
+                out = _first_tensor(output)
+                if out is not None:
+                    _probe(self._state(), _input_of(args, kwargs), out, row, key)
+            elif self.probing and row not in off:
+                out = _first_tensor(output)
+                if out is not None:
+                    dtypes[row] = out.dtype
+                    try:
+                        ops.write_probe(self._state(), _input_of(args, kwargs), out, row)
+                    except Exception as exc:  # never the model's call that fails for a probe
+                        self.failed(row, exc)
+
+        return probe
+
+    # -- called by the ops (host side) ----------------------------------------------------
+
+    def step(self) -> None:
+        every = self.mode.every
+        if every > 1 and not self.mode.armed:
+            self.probing = self._count % every == 0
+        self._count += 1
+
+    def saw(self, row: int, dtype: torch.dtype) -> None:
+        self._dtypes[row] = dtype
+
+    def failed(self, row: int, error: Exception) -> None:
+        """A probe raised: that module is probed no more; counted in
+        `guardrails_hook_errors_total{hook="trace"}` and logged once per module."""
+        first = row not in self._off
+        self._off.add(row)
+        if self._errors is not None:
+            self._errors.record("trace", self.names[row], error, log=first)
+
+    def is_off(self, row: int) -> bool:
+        return row in self._off
+
+    @property
+    def steps(self) -> int:
+        """Model calls seen (probed or not) since the probes were installed."""
+        return self._count
+
+    # -- called by the reporter -----------------------------------------------------------
+
+    def hit(self, site: str) -> None:
+        """A site reported non-finite values: want an origin; arm an armed trace."""
+        self.misses = 0
+        if self.wanted is None and not self.reported:
+            self.wanted = site
+        if self.mode.armed and not self.armed and self.active:
+            self.armed = True
+            self.probing = True
+
+    def read(self) -> list[list[float]] | None:
+        """The state's rows as the host last saw them (never waits; None before a first
+        completed copy on CUDA)."""
+        state = self._state()
+        if state.device.type == "cpu":
+            rows: list[list[float]] = state.tolist()
+            return rows
+        if self._mirror is None or self._mirror.device != state.device:
+            self._mirror = _Mirror(state)
+        return self._mirror.latest(state)
+
+    def resolve(self, rows: Sequence[Sequence[float]]) -> Origin | None:
+        dtypes = [None if d is None else str(d).removeprefix("torch.") for d in self._dtypes]
+        return find_origin(self.names, rows[:-1], dtypes)
+
+    def peaks(self, rows: Sequence[Sequence[float]]) -> list[tuple[str, float]]:
+        maxima = [_largest(d) for d in self._dtypes]
+        return peak_ratios(self.names, rows[:-1], maxima)
+
+    def clear(self) -> None:
+        """End an episode: forget the latches (the peaks stay)."""
+        state = self._state()
+        with torch.no_grad():
+            state[:-1, 4:7] = 0
+        self.reported = False
+
+    # -- the handle -----------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """False once removed."""
+        return not self._removed
+
+    @property
+    def installed(self) -> bool:
+        """Whether the hooks are on (until `remove()`)."""
+        return bool(self._handles)
+
+    def remove(self) -> None:
+        """Take the hooks and the buffer off the model. Idempotent."""
+        with self._lock:
+            if self._removed:
+                return
+            self._removed = True
+            handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        self._model._buffers.pop(self.buffer, None)
+        on_remove, self._on_remove = self._on_remove, None
+        if on_remove is not None:
+            on_remove(self)
+
+    def __enter__(self) -> Trace:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"<Trace {self.mode} modules={len(self.names)} installed={self.installed}>"
+
+
+@functools.cache
+def _largest(dtype: torch.dtype | None) -> float | None:
+    """The dtype's largest finite value (None: not seen yet, or not floating)."""
+    if dtype is None or not dtype.is_floating_point:
+        return None
+    return float(torch.finfo(dtype).max)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for parameter in model.parameters():
+        return parameter.device
+    for buffer in model.buffers():
+        return buffer.device
+    return torch.device("cpu")
+
+
+class _Mirror:
+    """A pinned host copy of a CUDA state buffer, refreshed without waiting."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.device = state.device
+        self.host = torch.zeros(state.shape, dtype=state.dtype, pin_memory=True)
+        self.event: Any = None
+        self.ready: list[list[float]] | None = None
+
+    def latest(self, state: torch.Tensor) -> list[list[float]] | None:
+        from guardrails.reporting.mirror import outside_captures
+
+        with outside_captures(), torch.cuda.device(self.device):
+            if self.event is not None and self.event.query():
+                self.ready = self.host.tolist()
+                self.event = None
+            if self.event is None and self.host.shape == state.shape:
+                self.host.copy_(state, non_blocking=True)
+                # (torch.cuda.Event is untyped in torch's stubs.)
+                self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                self.event.record()
+        return self.ready

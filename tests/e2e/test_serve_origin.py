@@ -1,0 +1,66 @@
+"""`transformers serve` under `guardrails run` with tracing on (`GUARDRAILS_TRACE`), in both
+modes: the origin of the tiny Llama's planted fault (layer 0's MLP arithmetic overflows
+float16) is named in the server's log and on /metrics; a clean request names nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.client import CLEAN, GREEDY, POISONED, chat, samples
+from tests.e2e.server import CB_ARGS, Server, serving
+
+ORIGIN_EVENT = "guardrails.nonfinite_origin"
+ORIGIN = "guardrails_nonfinite_origin_total"
+
+
+@pytest.fixture(scope="module", params=["plain", "batching"])
+def traced(
+    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp(f"traced-{request.param}") / "server.log"
+    settings = {"GUARDRAILS_TRACE": "model.layers.*,model.norm"}
+    extra = ("--continuous-batching", *CB_ARGS) if request.param == "batching" else ()
+    with serving(model_dir, log, *extra, settings=settings) as server:
+        yield server
+
+
+def origin_lines(server: Server) -> list[str]:
+    text = server.log.read_text(errors="replace")
+    return [line for line in text.splitlines() if ORIGIN_EVENT in line]
+
+
+def test_a_clean_request_names_no_origin(traced: Server) -> None:
+    outcome = chat(traced, CLEAN[0], GREEDY)
+    assert outcome.error is None
+    assert origin_lines(traced) == []
+    assert not any(name == ORIGIN for name, _ in samples(traced))
+    peaks = [v for (name, _), v in samples(traced).items() if "activation_peak_ratio" in name]
+    assert 0 < len(peaks) <= 8
+    assert all(0 < value < 1 for value in peaks)
+
+
+def test_the_planted_faults_origin_is_in_the_log_and_on_metrics(traced: Server) -> None:
+    outcome = chat(traced, POISONED[0], GREEDY)
+    assert outcome.error is not None  # the request still ends with its error, as untraced
+    deadline = time.monotonic() + 30
+    while not (origins(traced) and origin_lines(traced)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    found = origins(traced)
+    assert set(found) in ({("model.layers.0.mlp", "nan")}, {("model.layers.0.mlp", "posinf")})
+    assert list(found.values()) == [1.0]
+    (line,) = origin_lines(traced)
+    assert "module=model.layers.0.mlp " in line
+    assert "site=sampler.logits" in line
+    assert "dtype=float16" in line
+
+
+def origins(server: Server) -> dict[tuple[str, str], float]:
+    return {
+        (dict(labels)["module"], dict(labels)["kind"]): value
+        for (name, labels), value in samples(server).items()
+        if name == ORIGIN
+    }
