@@ -16,11 +16,11 @@ is then returned untraced.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from guardrails import _process
 from guardrails.attach.patching import ImportPatch, around
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.exceptions import Problem
@@ -28,10 +28,24 @@ from guardrails.settings.targets import Ref, parse_target
 
 if TYPE_CHECKING:
     from guardrails.attach.resolve import Resolved
-    from guardrails.service import Guardrails
+    from guardrails.settings import GuardSettings
     from guardrails.tracing.tracer import Trace
 
 __all__ = ["LOADERS", "TracedLoader", "trace_built_models"]
+
+
+class Guardrails(Protocol):
+    """What the loaders use of a `guardrails.Guardrails` (which calls `trace_built_models`
+    itself: named here by what it does, so this module never imports the service)."""
+
+    @property
+    def settings(self) -> GuardSettings: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def trace(self, model: Any) -> Trace: ...
+
 
 LOADERS: Final = ("transformers.modeling_utils:PreTrainedModel.from_pretrained",)
 
@@ -48,7 +62,7 @@ class TracedLoader(ImportPatch):
         super().__init__(point, on_error, None, lambda: guards.closed)
         self._guards = weakref.ref(guards)
         self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._lock = threading.Lock()
+        self._lock = _process.lock(self, "_lock")
         self.traces: list[Trace] = []
         self._acting = True
 

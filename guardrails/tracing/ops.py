@@ -30,19 +30,22 @@ probe itself on the CPU (about 60 us against 40 us, measured).
 from __future__ import annotations
 
 import itertools
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Final, Protocol
 
 import torch
 
+from guardrails import _process
+
 __all__ = [
     "COLUMNS",
     "IMPLEMENTATIONS",
     "Probed",
+    "as_rows",
     "kind_bits",
     "latch",
+    "new_state",
     "probe",
     "register",
     "step",
@@ -83,7 +86,7 @@ class Probed(Protocol):
 
 _TRACERS: dict[str, weakref.ref[Probed]] = {}
 _KEYS = itertools.count(1)
-_LOCK = threading.Lock()
+_LOCK = _process.module_lock(__name__, "_LOCK")
 
 
 def register(tracer: Probed) -> str:
@@ -104,6 +107,22 @@ def _forget(key: str) -> Callable[[weakref.ref[Probed]], None]:
 def _tracer(key: str) -> Probed | None:
     ref = _TRACERS.get(key)
     return None if ref is None else ref()
+
+
+def new_state(rows: int, device: torch.device) -> torch.Tensor:
+    """A trace's state: `rows` x COLUMNS float64 values, held as int64 words.
+
+    The model holds it as a buffer, so it moves with `model.to(device)`; as an integer tensor
+    no dtype cast of the model (`model.half()`, `.to(torch.bfloat16)`) touches it, where a
+    float64 buffer would become float16 and its step counter stop at 2048. `as_rows` is the
+    float64 view every body reads and writes (all zero words are 0.0).
+    """
+    return torch.zeros(rows, COLUMNS, dtype=torch.int64, device=device)
+
+
+def as_rows(state: torch.Tensor) -> torch.Tensor:
+    """The float64 view of a state made by `new_state` (the same memory)."""
+    return state.view(torch.float64)
 
 
 def kind_bits(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -149,7 +168,7 @@ def write_probe(
 def trace_probe_(
     state: torch.Tensor, input: torch.Tensor | None, output: torch.Tensor, row: int, key: str
 ) -> None:
-    probe(state, input, output, row, key)
+    probe(as_rows(state), input, output, row, key)
 
 
 @trace_probe_.register_fake
@@ -171,7 +190,7 @@ def step(state: torch.Tensor, key: str) -> None:
 
 @torch.library.custom_op("guardrails::trace_step_", mutates_args=("state",))
 def trace_step_(state: torch.Tensor, key: str) -> None:
-    step(state, key)
+    step(as_rows(state), key)
 
 
 @trace_step_.register_fake
@@ -203,7 +222,7 @@ def write_latch(state: torch.Tensor) -> None:
 
 @torch.library.custom_op("guardrails::trace_latch_", mutates_args=("state",))
 def trace_latch_(state: torch.Tensor, key: str) -> None:
-    latch(state, key)
+    latch(as_rows(state), key)
 
 
 @trace_latch_.register_fake

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from guardrails import _process
 from guardrails.tracing import ops
 from guardrails.tracing.modes import TraceMode, parse_mode
 from guardrails.tracing.origin import Origin, find_origin, peak_ratios
@@ -120,7 +120,7 @@ class Trace:
         self.patterns = tuple(modules)
         self._model = model
         self._on_remove = on_remove
-        self._lock = threading.Lock()
+        self._lock = _process.lock(self, "_lock")
         self._handles: list[RemovableHandle] = []
         self._dtypes: list[torch.dtype | None] = [None] * len(self.names)
         self._count = 0
@@ -134,9 +134,7 @@ class Trace:
         # An ordinary tensor even when traced inside inference mode, so that calls made
         # outside it can still write it (as the sites' buffers).
         with torch.inference_mode(False):
-            state = torch.zeros(
-                len(self.names) + 1, ops.COLUMNS, dtype=torch.float64, device=device
-            )
+            state = ops.new_state(len(self.names) + 1, device)
         model.register_buffer(self.buffer, state, persistent=False)
         self._mirror: _Mirror | None = None
         self.wanted: str | None = None  # the site whose hit asks for an origin
@@ -164,16 +162,21 @@ class Trace:
                 self._handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
             self._handles.append(model.register_forward_hook(self._on_end))
 
-    def _state(self) -> torch.Tensor:
+    def _raw(self) -> torch.Tensor:
+        """The model's buffer as the ops take it (int64 words; see `ops.new_state`)."""
         state: torch.Tensor = getattr(self._model, self.buffer)
         return state
+
+    def _state(self) -> torch.Tensor:
+        """The buffer's float64 rows (a view: writes land in the model's buffer)."""
+        return ops.as_rows(self._raw())
 
     # Compiled code calls the ops (opaque to the compiler, the switch read when they run);
     # eager code reads the switch here and calls the ops' bodies, skipping the dispatcher.
 
     def _on_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if _compiling():
-            _step(self._state(), self.key)
+            _step(self._raw(), self.key)
             return
         self.step()
         if self.probing:
@@ -183,7 +186,7 @@ class Trace:
 
     def _on_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if _compiling():
-            _latch(self._state(), self.key)
+            _latch(self._raw(), self.key)
         elif self.probing:
             with torch.no_grad():
                 ops.write_latch(self._state())
@@ -199,7 +202,7 @@ class Trace:
             if _compiling():
                 out = _first_tensor(output)
                 if out is not None:
-                    _probe(self._state(), _input_of(args, kwargs), out, row, key)
+                    _probe(self._raw(), _input_of(args, kwargs), out, row, key)
             elif self.probing and row not in off:
                 out = _first_tensor(output)
                 if out is not None:

@@ -260,3 +260,20 @@ def test_a_trace_made_in_inference_mode_probes_outside_it(
         step(guards, model, POISONED)
     assert trace.origin is not None
     assert [e["module"] for e in origin_events(logs)] == ["layers.0.mlp"]
+
+
+def test_a_dtype_cast_of_the_model_after_tracing_keeps_the_state_exact() -> None:
+    from guardrails.tracing import ops
+
+    model = net("mlp").float()
+    registry = CollectorRegistry()
+    with gr.Guardrails(gr.GuardSettings(), registry=registry) as guards:
+        trace = guards.trace(model, NET_MODULES)
+        model.half()  # casts every floating-point buffer; the trace's state is not one
+        state = dict(model.named_buffers())[trace.buffer]
+        assert state.dtype == torch.int64
+        rows = ops.as_rows(state)
+        rows[-1, 0] = 4096  # a float16 step counter would stay at 4096 (4097 is not one)
+        step(guards, model, POISONED)
+        assert rows[-1, 0].item() == 4097
+        assert origins(registry) == {(EXPECTED["mlp"], "posinf"): 1.0}
