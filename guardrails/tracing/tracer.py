@@ -136,6 +136,8 @@ class Trace:
         with torch.inference_mode(False):
             state = ops.new_state(len(self.names) + 1, device)
         model.register_buffer(self.buffer, state, persistent=False)
+        self._rows_of: torch.Tensor | None = None  # the buffer `_rows` views
+        self._rows = ops.as_rows(state)
         self._mirror: _Mirror | None = None
         self.wanted: str | None = None  # the site whose hit asks for an origin
         self.reported = False  # an origin of the current episode was reported
@@ -168,8 +170,12 @@ class Trace:
         return state
 
     def _state(self) -> torch.Tensor:
-        """The buffer's float64 rows (a view: writes land in the model's buffer)."""
-        return ops.as_rows(self._raw())
+        """The buffer's float64 rows (a view: writes land in the model's buffer), made again
+        only when the model's buffer is another tensor (`model.to(device)`)."""
+        raw = self._raw()
+        if raw is not self._rows_of:
+            self._rows_of, self._rows = raw, ops.as_rows(raw)
+        return self._rows
 
     # Compiled code calls the ops (opaque to the compiler, the switch read when they run);
     # eager code reads the switch here and calls the ops' bodies, skipping the dispatcher.
