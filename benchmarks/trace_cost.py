@@ -10,7 +10,8 @@ turn, on copies of the same model, so drift falls on all alike; medians are repo
 
 Variants: untraced; `always` over `model.layers.*` (13 modules per layer, each probed on
 input and output); `always` over `model.layers.*.mlp` (one module per layer); `every:16`
-over `model.layers.*`; `armed` while clean (no hooks until a site's first hit).
+over `model.layers.*`; `armed` while clean (its hooks are on, each only tests the switch until a
+site's first hit).
 
 Shapes: "small" (the tests' tiny Llama: 2 layers, hidden 64, B=8, float32) and "7b-layer"
 (a stand-in for 32 layers, hidden 4096, B=8: two real decoder layers of that shape,
