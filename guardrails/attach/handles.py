@@ -10,14 +10,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import torch
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["GuardedFunction", "Handle", "SiteCall", "attach_module", "logits_of"]
+__all__ = ["GuardedFunction", "Handle", "Removable", "SiteCall", "attach_module", "logits_of"]
 
 
 class SiteCall(Protocol):
@@ -49,11 +49,13 @@ def logits_of(value: Any) -> torch.Tensor:
     )
 
 
-class _Removable:
+class Removable:
+    """A handle that `remove()`s what it put on; as a context manager, at the block's end."""
+
     def remove(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self) -> _Removable:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -65,7 +67,7 @@ class _Removable:
         self.remove()
 
 
-class Handle(_Removable):
+class Handle(Removable):
     """Undoes one attach when `.remove()` is called (idempotent) or its `with` block ends."""
 
     def __init__(self, undo: Callable[[], None], description: str) -> None:
@@ -88,7 +90,7 @@ class Handle(_Removable):
         return f"<Handle {self.description} {'active' if self.active else 'removed'}>"
 
 
-class GuardedFunction(_Removable):
+class GuardedFunction(Removable):
     """A function whose returned logits are guarded in place; `.remove()` stops guarding."""
 
     def __init__(

@@ -30,12 +30,12 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
 from guardrails import _process
+from guardrails.attach.handles import Removable
 from guardrails.tracing import ops
 from guardrails.tracing.modes import TraceMode, parse_mode
 from guardrails.tracing.origin import Origin, find_origin, peak_ratios
@@ -102,7 +102,7 @@ def _input_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | N
     return None
 
 
-class Trace:
+class Trace(Removable):
     """The probes on one model (see the module docstring); a removable handle and a
     context manager. Made by `Guardrails.trace()`."""
 
@@ -309,17 +309,6 @@ class Trace:
         on_remove, self._on_remove = self._on_remove, None
         if on_remove is not None:
             on_remove(self)
-
-    def __enter__(self) -> Trace:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         return f"<Trace {self.mode} modules={len(self.names)} installed={self.installed}>"
