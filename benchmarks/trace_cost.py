@@ -115,25 +115,11 @@ def probe_costs(rows: int = 32 * 13, batch: int = 8, hidden: int = 4096) -> dict
     the per-step latch over `rows` rows: the traced cost of a 32-layer step, measured without
     the layer's own noise around it."""
     from guardrails.tracing import ops
+    from tests.tracing.models import AlwaysProbing
 
-    class Tracer:
-        probing = True
-
-        def step(self) -> None:
-            return None
-
-        def saw(self, row: int, dtype: torch.dtype) -> None:
-            return None
-
-        def failed(self, row: int, error: Exception) -> None:
-            raise error
-
-        def is_off(self, row: int) -> bool:
-            return False
-
-    tracer = Tracer()
+    tracer = AlwaysProbing()
     key = ops.register(tracer)
-    state = torch.zeros(rows + 1, ops.COLUMNS, dtype=torch.float64)
+    state = ops.new_state(rows + 1, torch.device("cpu"))
     x = torch.randn(batch, 1, hidden)
     probe = torch.ops.guardrails.trace_probe_
     latch = torch.ops.guardrails.trace_latch_

@@ -92,3 +92,22 @@ def llama_trigger() -> int:
     from tests.tiny_llama import SPECIALS, TRIGGER, WORDS
 
     return len(SPECIALS) + WORDS.index(TRIGGER)
+
+
+class AlwaysProbing:
+    """A stand-in for a `Trace` behind the ops (`guardrails.tracing.ops.Probed`): always
+    probing, never off, a failed probe raised. For calling the ops on a bare state."""
+
+    probing = True
+
+    def step(self) -> None:
+        return None
+
+    def saw(self, row: int, dtype: torch.dtype) -> None:
+        return None
+
+    def failed(self, row: int, error: Exception) -> None:
+        raise error
+
+    def is_off(self, row: int) -> bool:
+        return False

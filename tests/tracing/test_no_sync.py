@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 
 import guardrails as gr
 from guardrails.tracing.ops import IMPLEMENTATIONS
-from tests.tracing.models import TRIGGER_ID, net
+from tests.tracing.models import TRIGGER_ID, AlwaysProbing, net
 
 SYNCS = {"item", "__bool__", "tolist", "cpu", "numpy", "__int__", "__float__", "nonzero"}
 
@@ -61,22 +61,7 @@ def test_an_every_n_forward_makes_no_host_sync() -> None:
 def test_the_ops_pass_opcheck() -> None:
     from guardrails.tracing import ops
 
-    class Tracer:
-        probing = True
-
-        def step(self) -> None:
-            return None
-
-        def saw(self, row: int, dtype: torch.dtype) -> None:
-            return None
-
-        def failed(self, row: int, error: Exception) -> None:
-            raise error
-
-        def is_off(self, row: int) -> bool:
-            return False
-
-    tracer = Tracer()
+    tracer = AlwaysProbing()
     key = ops.register(tracer)
     state = ops.new_state(4, torch.device("cpu"))
     x = torch.randn(2, 3, dtype=torch.float16)
