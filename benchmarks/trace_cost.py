@@ -50,28 +50,30 @@ VARIANTS = {
 }
 
 
+# The two shapes' Llama configurations (see the module docstring).
+SHAPES: dict[str, dict[str, int]] = {
+    "small": {
+        "vocab_size": 200,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "7b-layer": {
+        "vocab_size": 1024,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+    },
+}
+
+
 def build(shape: str) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    if shape == "small":
-        config = LlamaConfig(
-            vocab_size=200,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    else:
-        config = LlamaConfig(
-            vocab_size=1024,
-            hidden_size=4096,
-            intermediate_size=11008,
-            num_hidden_layers=2,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-        )
+    config = LlamaConfig(num_hidden_layers=2, **SHAPES[shape])
     return LlamaForCausalLM(config).eval()
 
 
