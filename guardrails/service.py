@@ -52,6 +52,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Guardrails:
     """Named guarded sites built from one `GuardSettings` snapshot.
 
+        guards = Guardrails(GuardSettings())          # or guardrails.default(): env + file
+        flags = guards.site("sampler.logits")(logits)  # heals in place; uint8 RowFlag per row
+        guards.token_site("sampler.token_ids", vocab_size=V)(next_ids)  # out-of-vocab -> 0
+        guards.close()                                 # or `with Guardrails(...) as guards:`
+
+    Nothing waits for the device: counts reach the metrics and log events as the reporter
+    polls (every `reporting.every_calls` calls, and at `flush()` / `close()`).
+
     `registry` is the prometheus-client `CollectorRegistry` to register counters in (default:
     the global one); `clock` and `logger` exist for tests of the throttled log events.
     """

@@ -230,7 +230,12 @@ class _SiteBase:
 
 
 class LogitsSite(_SiteBase):
-    """Guards `[..., vocab]` logits in place; `site(logits)` returns uint8 flags [rows]."""
+    """Guards `[..., vocab]` logits in place; `site(logits)` returns uint8 flags [rows].
+
+    site = guards.site("sampler.logits")   # made by `Guardrails`, never directly
+    flags = site(logits)                   # NaN -> -inf, +Inf -> a large finite value
+    poisoned = flags & RowFlag.NO_VALID_TOKEN  # rows that cannot be sampled at all
+    """
 
     kind = "logits"
     slots = LOGITS_SLOTS
@@ -366,7 +371,12 @@ class LogitsSite(_SiteBase):
 
 
 class TokenSite(_SiteBase):
-    """Guards sampled token ids in place; out-of-vocab ids are flagged, counted, replaced."""
+    """Guards sampled token ids in place; out-of-vocab ids are flagged, counted, replaced.
+
+    site = guards.token_site("sampler.token_ids", vocab_size=V)
+    flags = site(next_ids)        # ids outside [0, V) -> replacement_id (default 0)
+    flags = site(next_ids, V2)    # a call's own vocabulary, when it differs
+    """
 
     kind = "token_ids"
     slots = TOKEN_SLOTS
