@@ -22,10 +22,9 @@ Each field is a kind of value from `guardrails.settings.fields` (which checks it
 from __future__ import annotations
 
 import fnmatch
-import functools
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -35,7 +34,6 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
-    TypeAdapter,
     ValidationError,
     model_validator,
 )
@@ -43,7 +41,13 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import RowFlag
-from guardrails.names import HOOK_ACTS_ON, KNOWN_HOOKS, KNOWN_SITES
+from guardrails.names import HOOK_ACTS_ON, KNOWN_HOOKS
+from guardrails.settings.checks import (
+    check_attach_point,
+    check_site_table,
+    cross_field_problems,
+    notices,
+)
 from guardrails.settings.fields import (
     ALL_DTYPES,
     BindAddress,
@@ -66,11 +70,10 @@ from guardrails.settings.fields import (
     TraceMode,
     TracePatterns,
     VocabSize,
-    is_loopback,
     site_table_names,
 )
-from guardrails.settings.problems import closest, problems_from, site_hint
-from guardrails.settings.schema import part, plain, setting
+from guardrails.settings.problems import problems_from
+from guardrails.settings.schema import part, setting
 from guardrails.settings.sources import COLLECTOR, Collector, EnvSource, FileSource, InitSource
 from guardrails.settings.targets import REF_SYNTAX, TARGET_SYNTAX
 from guardrails.tracing.modes import MODE_SYNTAX
@@ -165,11 +168,8 @@ class SiteSettings(_Frozen):
     ] = None
 
     @model_validator(mode="after")
-    def _eos_needs_an_id(self) -> SiteSettings:
-        if self.on_no_valid_token == "eos" and self.eos_token_id is None:
-            raise ValueError(
-                'on_no_valid_token = "eos" needs eos_token_id = N (the model\'s stop token)'
-            )
+    def _fields_agree(self) -> SiteSettings:
+        check_site_table(self)
         return self
 
     @property
@@ -214,15 +214,8 @@ class AttachSettings(_Frozen):
     ] = None
 
     @model_validator(mode="after")
-    def _vocab_for_token_ids(self) -> AttachSettings:
-        given = (self.vocab_size is not None) + (self.vocab_size_from is not None)
-        if self.kind == "token_ids" and given != 1:
-            raise ValueError(
-                'kind = "token_ids" needs exactly one of vocab_size = N or '
-                'vocab_size_from = "arg:..." (ids outside [0, vocab_size) are flagged)'
-            )
-        if self.kind == "logits" and given:
-            raise ValueError('vocab_size and vocab_size_from apply only to kind = "token_ids"')
+    def _fields_agree(self) -> AttachSettings:
+        check_attach_point(self)
         return self
 
 
@@ -394,16 +387,19 @@ class GuardSettings(BaseSettings):
                 problems = [
                     *collector.problems,
                     *problems_from(exc, GuardSettings, collector.where),
-                    *_semantic_problems(collector.merged(), collector.where),
+                    *cross_field_problems(GuardSettings, collector.merged(), collector.where),
                 ]
                 raise ConfigError(problems) from None
         finally:
             COLLECTOR.reset(token)
-        problems = [*collector.problems, *_semantic_problems(collector.merged(), collector.where)]
+        problems = [
+            *collector.problems,
+            *cross_field_problems(GuardSettings, collector.merged(), collector.where),
+        ]
         if problems:
             raise ConfigError(problems)
         self._origins = collector.origins
-        self._notices = tuple(self._notice_problems(collector.where))
+        self._notices = tuple(notices(self, collector.where))
 
     @classmethod
     def settings_customise_sources(
@@ -415,76 +411,6 @@ class GuardSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return InitSource(settings_cls), EnvSource(settings_cls), FileSource(settings_cls)
-
-    # -- valid, but worth a word ---------------------------------------------------------
-
-    def _notice_problems(self, where: Callable[[tuple[str | int, ...]], str]) -> Iterator[Problem]:
-        attach_sites = {point.site for point in self.attach}
-        if not self.enabled:
-            yield Problem(where(("enabled",)), "guardrails is switched off: every site is a no-op")
-        elif not any(
-            self.is_site_enabled(name) for name in {*KNOWN_SITES, *self.sites, *attach_sites}
-        ):
-            yield Problem(
-                where(("disabled_sites",)),
-                "switches every site off: nothing is guarded",
-                plain(self.disabled_sites, sep=","),
-                accepted="GUARDRAILS_ENABLED=false, to say so plainly",
-            )
-        listed = {*self.enabled_sites, *self.disabled_sites}
-        exact = {entry for entry in listed if not any(ch in entry for ch in "*?[")}
-        patterns = {entry for entry in listed - exact if entry != "*"}
-        for name in self.sites:
-            if name in KNOWN_SITES or name in attach_sites or name in exact:
-                continue
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
-                continue
-            candidates = {*KNOWN_SITES, *attach_sites, *exact} - {name}
-            yield Problem(
-                where(("sites", name)),
-                f"[sites.{_quoted(name)}] is no known site, no [[attach]] site and in no enable "
-                "list: it applies only if code asks for a site of that name"
-                + closest(name, candidates),
-                accepted=site_hint(),
-            )
-        if self.attach and not self.heartbeat:
-            yield Problem(
-                where(("heartbeat",)),
-                "no heartbeat: an [[attach]] point on a method this engine never calls would "
-                "guard nothing without a word",
-                accepted='heartbeat = "package.module:Class.method", a call every engine step '
-                "passes (the shipped profiles name one)",
-            )
-        for hook in self.hooks:
-            acted = [name for name in HOOK_ACTS_ON.get(hook, ()) if self.is_site_enabled(name)]
-            if not any(self.site_settings(name).abort_on for name in acted):
-                sites = ", ".join(f"sites.{_quoted(n)}" for n in HOOK_ACTS_ON.get(hook, ()))
-                yield Problem(
-                    where(("hooks",)),
-                    f"hook {hook} ends nothing: it acts on the abort_on of {sites or 'no site'}, "
-                    "which is empty or switched off",
-                    hook,
-                    accepted='abort_on = ["no_valid_token"] in that site table',
-                )
-        if not self.attach:
-            # A configuration for code (GuardLogitsProcessor reads abort_on itself); with
-            # [[attach]] points, `guardrails check` and the launcher make this an error.
-            for name in self.unacted_abort_sites():
-                yield Problem(
-                    where(("sites", name, "abort_on")),
-                    "no configured hook acts on it: under guardrails run it ends nothing "
-                    "(only GuardLogitsProcessor in code reads it)",
-                    plain(self.sites[name].abort_on),
-                    accepted="hooks = [...] naming one of " + _hooks_for(name),
-                )
-        if self.metrics.port and not is_loopback(self.metrics.addr):
-            yield Problem(
-                where(("metrics", "addr")),
-                f"/metrics is served on {self.metrics.addr}:{self.metrics.port}, reachable from "
-                "other hosts",
-                self.metrics.addr,
-                accepted="127.0.0.1 (the default) to serve this host only",
-            )
 
     @property
     def notices(self) -> tuple[Problem, ...]:
@@ -540,121 +466,3 @@ class GuardSettings(BaseSettings):
             if found is not None and found.startswith("argument"):
                 return found
         return "default"
-
-
-# -- checks that need several fields at once -----------------------------------------------
-
-
-def _hooks_for(site: str) -> str:
-    hooks = [hook for hook, sites in HOOK_ACTS_ON.items() if site in sites]
-    return ", ".join(sorted(hooks)) if hooks else "(none acts on this site)"
-
-
-def _quoted(name: str) -> str:
-    return f'"{name}"' if "." in name else name
-
-
-def _raw(entry: object, key: str) -> object:
-    if isinstance(entry, Mapping):
-        return entry.get(key)
-    return getattr(entry, key, None) if isinstance(entry, BaseModel) else None
-
-
-def _valid(model: type[BaseModel], raw: object) -> Any:
-    """`raw` validated as `model`, or None where it is not valid (pydantic reports why)."""
-    if isinstance(raw, model):
-        return raw
-    try:
-        return model.model_validate(raw)
-    except ValidationError:
-        return None
-
-
-@functools.cache
-def _adapter(name: str) -> TypeAdapter[Any]:
-    info = GuardSettings.model_fields[name]
-    # The field's type with its constraints (gt=0, allow_inf_nan=False), as the model has it.
-    annotated: Any = Annotated[info.annotation, info]
-    return TypeAdapter(annotated)
-
-
-def _field(data: Mapping[str, Any], name: str) -> Any:
-    """The validated value of a top-level field (its default if absent), None if invalid."""
-    if name not in data:
-        return GuardSettings.model_fields[name].get_default(call_default_factory=True)
-    try:
-        return _adapter(name).validate_python(data[name])
-    except ValidationError:
-        return None
-
-
-def _semantic_problems(
-    data: Mapping[str, Any], where: Callable[[tuple[str | int, ...]], str]
-) -> Iterator[Problem]:
-    """Problems across fields, on the merged raw values: each part is used if it validates on
-    its own, so these checks run (and report) also when another part is invalid."""
-    raw_attach = data.get("attach", ())
-    raw_points = list(raw_attach) if isinstance(raw_attach, list | tuple) else []
-    raw_sites = data.get("sites", {})
-    tables: Mapping[Any, Any] = raw_sites if isinstance(raw_sites, Mapping) else {}
-    attach_sites = {site for p in raw_points if isinstance(site := _raw(p, "site"), str)}
-    declared = set(KNOWN_SITES) | {n for n in tables if isinstance(n, str)} | attach_sites
-    kinds: dict[str, tuple[str, int]] = {}
-    for index, raw in enumerate(raw_points):
-        point = _valid(AttachSettings, raw)
-        if point is None:
-            continue
-        first = kinds.setdefault(point.site, (point.kind, index))
-        if first[0] != point.kind:
-            yield Problem(
-                where(("attach", index, "kind")),
-                f"site {point.site!r} is a {first[0]} site in attach[{first[1]}]",
-                point.kind,
-                accepted="one kind per site name",
-            )
-    for field_name in ("enabled_sites", "disabled_sites"):
-        entries = _field(data, field_name)
-        if entries is None:
-            continue
-        at = where((field_name,))
-        if field_name == "enabled_sites" and not entries:
-            yield Problem(
-                at,
-                "empty enable list would switch every site off; use GUARDRAILS_ENABLED=false "
-                "to disable guardrails",
-                accepted="site names or glob patterns, default '*'",
-            )
-        for entry in entries:
-            if any(ch in entry for ch in "*?["):
-                if not any(fnmatch.fnmatchcase(name, entry) for name in declared):
-                    yield Problem(
-                        at,
-                        f"pattern {entry!r} matches no known site" + closest(entry, declared),
-                        accepted=site_hint(),
-                    )
-            elif entry not in declared:
-                yield Problem(
-                    at, f"unknown site {entry!r}" + closest(entry, declared), accepted=site_hint()
-                )
-    min_temperature = _field(data, "min_temperature")
-    if min_temperature is None:
-        return  # its own problem is reported; the replacement bounds depend on it
-    for name, raw in tables.items():
-        site = _valid(SiteSettings, raw)
-        if site is None:
-            continue
-        for key in ("nan_value", "posinf_value"):
-            value = getattr(site, key)
-            if value is None:
-                continue
-            # Late: settings are usable (and testable) without paying torch's import.
-            from guardrails.kernels.values import replacement_problem
-
-            message = replacement_problem(key, value, site.dtypes, min_temperature)
-            if message:
-                yield Problem(
-                    where(("sites", name, key)),
-                    message,
-                    value,
-                    accepted="a smaller magnitude, or restrict this site's dtypes",
-                )
