@@ -6,7 +6,7 @@
   sites, one kind per attach site, replacement values against dtypes and min_temperature). It
   reads the merged raw values, not a built `GuardSettings`, so that it also runs when another
   part is invalid and one run reports every problem; `GuardSettings.__init__` calls it.
-- `notices`: what is valid but worth a warning (`GuardSettings.notices`).
+- `notice_problems`: what is valid but worth a warning (`GuardSettings.notices`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from guardrails.settings.schema import model_at, plain
 if TYPE_CHECKING:
     from guardrails.settings.models import AttachSettings, GuardSettings, SiteSettings
 
-__all__ = ["check_attach_point", "check_site_table", "cross_field_problems", "notices"]
+__all__ = ["check_attach_point", "check_site_table", "cross_field_problems", "notice_problems"]
 
 # The origin of a key path, as the construction's `Collector` names it.
 Where = Callable[[tuple[str | int, ...]], str]
@@ -53,7 +53,7 @@ def check_attach_point(point: AttachSettings) -> None:
         raise ValueError('vocab_size and vocab_size_from apply only to kind = "token_ids"')
 
 
-def notices(settings: GuardSettings, where: Where) -> Iterator[Problem]:
+def notice_problems(settings: GuardSettings, where: Where) -> Iterator[Problem]:
     """What is valid in `settings` but worth a warning (`GuardSettings.notices`)."""
     attach_sites = {point.site for point in settings.attach}
     if not settings.enabled:

@@ -72,8 +72,8 @@ def _no_bool_count(value: object) -> object:
     return value
 
 
-# The bounds come before the before-validator, so they apply to the int it lets through.
 Switch = Annotated[bool, BeforeValidator(_no_float_switch)]
+# Counts: true/false refused first, then the bounds, reported in pydantic's words.
 TokenId = Annotated[int, Field(ge=0), BeforeValidator(_no_bool_count)]
 VocabSize = Annotated[int, Field(gt=0), BeforeValidator(_no_bool_count)]
 Port = Annotated[int, Field(ge=0, le=65535), BeforeValidator(_no_bool_count)]

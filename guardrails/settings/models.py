@@ -46,7 +46,7 @@ from guardrails.settings.checks import (
     check_attach_point,
     check_site_table,
     cross_field_problems,
-    notices,
+    notice_problems,
 )
 from guardrails.settings.fields import (
     ALL_DTYPES,
@@ -399,7 +399,7 @@ class GuardSettings(BaseSettings):
         if problems:
             raise ConfigError(problems)
         self._origins = collector.origins
-        self._notices = tuple(notices(self, collector.where))
+        self._notices = tuple(notice_problems(self, collector.where))
 
     @classmethod
     def settings_customise_sources(
