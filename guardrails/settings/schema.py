@@ -11,29 +11,30 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
 __all__ = [
     "accepted",
     "accepted_for",
     "dotted",
-    "field_meta",
     "field_names",
     "model_at",
     "part",
     "plain",
+    "setting",
 ]
 
 
-def field_meta(text: str, meaning: str = "") -> dict[str, Any]:
-    """Field metadata: the accepted values (for errors) and the meaning (for the reference
-    that `guardrails.settings.docs` generates from the models)."""
-    return {"json_schema_extra": {"accepted": text}, "description": meaning}
+def setting(accepts: str, meaning: str = "", **constraints: Any) -> Any:
+    """A settings field: the accepted values (for errors), the meaning (for the reference that
+    `guardrails.settings.docs` generates from the models) and any pydantic constraints
+    such as `min_length=1`; the value's own checks live in its type (`settings.fields`)."""
+    return Field(json_schema_extra={"accepted": accepts}, description=meaning, **constraints)
 
 
 def accepted(info: FieldInfo) -> str:
-    """What `field_meta` recorded as the field's accepted values."""
+    """What `setting` recorded as the field's accepted values."""
     extra = info.json_schema_extra
     return str(extra.get("accepted", "")) if isinstance(extra, dict) else ""
 
