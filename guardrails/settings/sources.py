@@ -5,6 +5,7 @@ an argument) and the problems it finds, in the `Collector` of the construction."
 from __future__ import annotations
 
 import contextvars
+import os
 import stat
 import tomllib
 from collections.abc import Iterator, Mapping
@@ -196,6 +197,8 @@ class FileSource(PydanticBaseSettingsSource):
         if raw is None or raw == "":
             return {}
         where = collector.origins.get(("config_file",), "config_file")
+        if not isinstance(raw, (str, os.PathLike)):
+            return {}  # not a path (1, True): the field's own validation names it
         try:
             path = Path(raw).expanduser()
         except RuntimeError as exc:  # "~nosuchuser/...": no home directory to expand to

@@ -448,6 +448,14 @@ def test_a_config_path_with_a_nul_byte_is_a_config_error() -> None:
         GuardSettings(environ={}, config_file="guardrails\x00.toml")
 
 
+@pytest.mark.parametrize("value", [1, True, 0.5, b"guardrails.toml"])
+def test_a_config_path_that_is_no_path_is_a_config_error(value: object) -> None:
+    # A bare TypeError from pathlib escaped before the field's own validation could name it.
+    with pytest.raises(ConfigError, match=r"argument config_file.*not a valid path") as caught:
+        GuardSettings(environ={}, config_file=value)  # type: ignore[arg-type]
+    assert len(caught.value.problems) == 1
+
+
 # -- the rank label ------------------------------------------------------------------------
 
 
