@@ -1,0 +1,95 @@
+"""The reporter's log events, built by pure functions: fields in, `(level, event, fields)` out.
+
+Nothing here reads a clock, a lock or a site object, so each builder is tested on its own
+(`tests/reporting/test_events.py`), as a structlog processor would be. The reporter decides
+*when* an event is due (`guardrails.reporting.throttle`) and *delivers* it outside its lock;
+these only say *what* it holds: counts, names, dtype and shape, never tensor values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from guardrails.flags import CountKind
+from guardrails.names import (
+    METRICS_SERVED_ELSEWHERE_EVENT,
+    NO_VALID_TOKEN_EVENT,
+    NONFINITE_EVENT,
+    OOB_EVENT,
+    REPORTING_ERROR_EVENT,
+)
+
+__all__ = ["Event", "fault_event", "served_elsewhere_event", "site_event"]
+
+# (logger method, event name, fields): decided under the reporter's lock, delivered after it.
+Event = tuple[str, str, dict[str, Any]]
+
+
+def site_event(
+    *,
+    site: str,
+    kind: str,
+    slots: Sequence[CountKind],
+    totals: Sequence[int],
+    logged: Sequence[int],
+    calls_total: int,
+    logged_calls: int,
+    suppressed: int,
+    rank: str | None,
+    vocab_size: int | None,
+    dtype: str | None,
+    shape: Sequence[int],
+) -> Event:
+    """The event for one site's news since its last event.
+
+    `totals` are the counts reported so far, one per slot of `slots`; `logged` those the
+    last event carried (its deltas are the difference); `calls_total` and `logged_calls` the
+    same for calls. A token-id site logs `guardrails.oob_token_ids`; a logits site
+    `guardrails.no_valid_token` when rows were left with no valid token, else
+    `guardrails.nonfinite_logits`."""
+    if len(totals) != len(slots) or len(logged) != len(slots):
+        raise ValueError(
+            f"site {site!r}: {len(slots)} count slots but {len(totals)} totals and "
+            f"{len(logged)} logged counts"
+        )
+    fields: dict[str, Any] = {"site": site, "rank": rank}
+    deltas: dict[CountKind, int] = {}
+    for slot, total, before in zip(slots, totals, logged, strict=True):
+        deltas[slot] = total - before
+        fields[str(slot)] = deltas[slot]
+        fields[f"{slot}_total"] = total
+    if kind == "token_ids":
+        event, rows, level = OOB_EVENT, deltas.get(CountKind.ROWS_OOB_TOKEN, 0), "error"
+        fields["vocab_size"] = vocab_size
+    elif deltas.get(CountKind.ROWS_NO_VALID_TOKEN, 0) > 0:
+        event, rows, level = NO_VALID_TOKEN_EVENT, deltas[CountKind.ROWS_NO_VALID_TOKEN], "error"
+    else:
+        event, rows, level = NONFINITE_EVENT, deltas.get(CountKind.ROWS_NONFINITE, 0), "warning"
+    fields.update(
+        rows=rows,
+        calls=calls_total - logged_calls,
+        calls_total=calls_total,
+        dtype=dtype,
+        shape=list(shape),
+        suppressed=suppressed,
+    )
+    return level, event, fields
+
+
+def fault_event(stage: str, error: BaseException, rank: str | None) -> Event:
+    """`guardrails.reporting_error`: a contained fault of the reporter's `stage`."""
+    return (
+        "error",
+        REPORTING_ERROR_EVENT,
+        {"stage": stage, "error": f"{type(error).__name__}: {error}", "rank": rank},
+    )
+
+
+def served_elsewhere_event(addr: str, port: int) -> Event:
+    """`guardrails.metrics_served_elsewhere`: a sibling process of the tree serves the port."""
+    return (
+        "info",
+        METRICS_SERVED_ELSEWHERE_EVENT,
+        {"addr": addr, "port": port, "reason": "a process tree: another process serves its series"},
+    )
