@@ -9,18 +9,32 @@ these only say *what* it holds: counts, names, dtype and shape, never tensor val
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from guardrails.flags import CountKind
 from guardrails.names import (
     METRICS_SERVED_ELSEWHERE_EVENT,
     NO_VALID_TOKEN_EVENT,
     NONFINITE_EVENT,
+    NONFINITE_ORIGIN_EVENT,
     OOB_EVENT,
     REPORTING_ERROR_EVENT,
+    SITE_NOT_CALLED_EVENT,
+    STARTED_EVENT,
 )
 
-__all__ = ["Event", "fault_event", "served_elsewhere_event", "site_event"]
+if TYPE_CHECKING:
+    from guardrails.settings import GuardSettings
+
+__all__ = [
+    "Event",
+    "fault_event",
+    "origin_event",
+    "served_elsewhere_event",
+    "site_event",
+    "site_not_called_event",
+    "started_event",
+]
 
 # (logger method, event name, fields): decided under the reporter's lock, delivered after it.
 Event = tuple[str, str, dict[str, Any]]
@@ -92,4 +106,83 @@ def served_elsewhere_event(addr: str, port: int) -> Event:
         "info",
         METRICS_SERVED_ELSEWHERE_EVENT,
         {"addr": addr, "port": port, "reason": "a process tree: another process serves its series"},
+    )
+
+
+def started_event(settings: GuardSettings, warnings: Sequence[str] = ()) -> Event:
+    """`guardrails.started`: what guards, what is off, what to look at (`warnings`, which
+    make it a warning)."""
+    config = settings.config_file
+    fields: dict[str, Any] = {
+        "enabled": settings.enabled,
+        "sanitize": settings.sanitize,
+        "async_assert": settings.async_assert,
+        "sites": list(settings.enabled_sites),
+        "disabled_sites": list(settings.disabled_sites),
+        "metrics_port": settings.metrics.port,
+        "metrics_addr": settings.metrics.addr if settings.metrics.port else None,
+        "config_file": None if config is None else str(config),
+        "hooks": list(settings.hooks),
+        "strict_attach": settings.strict_attach,
+        # What `guardrails run` traces (None: nothing); code may call trace() regardless.
+        "trace": {"modules": list(settings.trace.modules), "mode": settings.trace.mode}
+        if settings.trace.modules
+        else None,
+        "warnings": list(warnings),
+    }
+    return ("warning" if warnings else "info"), STARTED_EVENT, fields
+
+
+def site_not_called_event(
+    *,
+    site: str,
+    rank: str,
+    heartbeat: str,
+    steps: int,
+    targets: Sequence[str],
+    states: Sequence[str],
+    calls_total: int,
+) -> Event:
+    """`guardrails.site_not_called`: a watched site saw no call in a liveness window."""
+    return (
+        "warning",
+        SITE_NOT_CALLED_EVENT,
+        {
+            "site": site,
+            "rank": rank,
+            "heartbeat": heartbeat,
+            "steps": steps,
+            "targets": list(targets),
+            "state": list(states),
+            "calls_total": calls_total,
+            "action": "the engine runs a path this site is not on: it guards "
+            "nothing there. Check the profile against the runner this engine "
+            "picked (guardrails check; docs/runbook.md)",
+        },
+    )
+
+
+def origin_event(
+    *,
+    module: str,
+    site: str | None,
+    kind: str,
+    dtype: str | None,
+    rank: str,
+    step: int,
+    mode: str,
+) -> Event:
+    """`guardrails.nonfinite_origin`: the traced module where a non-finite value was born."""
+    return (
+        "warning",
+        NONFINITE_ORIGIN_EVENT,
+        {
+            "module": module,
+            "site": site,
+            "kind": kind,
+            "dtype": dtype,
+            "rank": rank,
+            "step": step,
+            "mode": mode,
+        },
     )

@@ -41,12 +41,7 @@ from guardrails import _process
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger, configure_json_logs
-from guardrails.names import (
-    NONFINITE_ORIGIN_EVENT,
-    REPORTING_ERROR_EVENT,
-    SITE_NOT_CALLED_EVENT,
-    STARTED_EVENT,
-)
+from guardrails.names import REPORTING_ERROR_EVENT
 from guardrails.reporting import events, exposition, metrics
 from guardrails.reporting.events import Event as _Event
 from guardrails.reporting.recorder import ReportingErrors
@@ -273,29 +268,11 @@ class Reporter:
 
     def started(self, warnings: Sequence[str] = ()) -> None:
         """Log the start-up event: what guards, what is off, what to look at (`warnings`)."""
-        settings = self._settings
-        config = settings.config_file
-        fields: dict[str, Any] = {
-            "enabled": settings.enabled,
-            "sanitize": settings.sanitize,
-            "async_assert": settings.async_assert,
-            "sites": list(settings.enabled_sites),
-            "disabled_sites": list(settings.disabled_sites),
-            "metrics_port": settings.metrics.port,
-            "metrics_addr": settings.metrics.addr if settings.metrics.port else None,
-            "config_file": None if config is None else str(config),
-            "hooks": list(settings.hooks),
-            "strict_attach": settings.strict_attach,
-            # What `guardrails run` traces (None: nothing); code may call trace() regardless.
-            "trace": {"modules": list(settings.trace.modules), "mode": settings.trace.mode}
-            if settings.trace.modules
-            else None,
-            "warnings": list(warnings),
-        }
+        level, event, fields = events.started_event(self._settings, warnings)
         # Best effort, not counted: a logger that fails here fails on the first real event
         # too, which is counted and logged with its own error.
         with contextlib.suppress(Exception):
-            getattr(self._logger, "warning" if warnings else "info")(STARTED_EVENT, **fields)
+            getattr(self._logger, level)(event, **fields)
 
     def register(self, site: ReportedSite) -> None:
         """A site was created: its series exist at 0 from now on."""
@@ -352,21 +329,14 @@ class Reporter:
                 if not seen.first:
                     continue
                 outbox.append(
-                    (
-                        "warning",
-                        SITE_NOT_CALLED_EVENT,
-                        {
-                            "site": watched.name,
-                            "rank": rank,
-                            "heartbeat": heartbeat,
-                            "steps": seen.steps,
-                            "targets": list(watched.targets),
-                            "state": list(watched.states),
-                            "calls_total": watched.calls,
-                            "action": "the engine runs a path this site is not on: it guards "
-                            "nothing there. Check the profile against the runner this engine "
-                            "picked (guardrails check; docs/runbook.md)",
-                        },
+                    events.site_not_called_event(
+                        site=watched.name,
+                        rank=rank,
+                        heartbeat=heartbeat,
+                        steps=seen.steps,
+                        targets=watched.targets,
+                        states=watched.states,
+                        calls_total=watched.calls,
                     )
                 )
         self._deliver(outbox)
@@ -534,18 +504,14 @@ class Reporter:
         )
         self._increment(series, 1, outbox)
         outbox.append(
-            (
-                "warning",
-                NONFINITE_ORIGIN_EVENT,
-                {
-                    "module": origin.module,
-                    "site": site,
-                    "kind": origin.kind,
-                    "dtype": origin.dtype,
-                    "rank": rank,
-                    "step": origin.step,
-                    "mode": str(trace.mode),
-                },
+            events.origin_event(
+                module=origin.module,
+                site=site,
+                kind=origin.kind,
+                dtype=origin.dtype,
+                rank=rank,
+                step=origin.step,
+                mode=str(trace.mode),
             )
         )
 

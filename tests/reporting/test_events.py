@@ -11,10 +11,21 @@ from guardrails.names import (
     METRICS_SERVED_ELSEWHERE_EVENT,
     NO_VALID_TOKEN_EVENT,
     NONFINITE_EVENT,
+    NONFINITE_ORIGIN_EVENT,
     OOB_EVENT,
     REPORTING_ERROR_EVENT,
+    SITE_NOT_CALLED_EVENT,
+    STARTED_EVENT,
 )
-from guardrails.reporting.events import fault_event, served_elsewhere_event, site_event
+from guardrails.reporting.events import (
+    fault_event,
+    origin_event,
+    served_elsewhere_event,
+    site_event,
+    site_not_called_event,
+    started_event,
+)
+from guardrails.testing import fresh_guardrails
 
 LOGITS = (
     CountKind.NAN,
@@ -114,3 +125,55 @@ def test_fault_and_served_elsewhere_events() -> None:
     level, event, fields = served_elsewhere_event("127.0.0.1", 9400)
     assert (level, event) == ("info", METRICS_SERVED_ELSEWHERE_EVENT)
     assert (fields["addr"], fields["port"]) == ("127.0.0.1", 9400)
+
+
+def test_the_started_event_is_a_warning_only_with_warnings() -> None:
+    guards = fresh_guardrails(environ={"GUARDRAILS_SANITIZE": "false"})
+    try:
+        level, event, fields = started_event(guards.settings)
+        assert (level, event) == ("info", STARTED_EVENT)
+        assert (fields["sanitize"], fields["metrics_addr"], fields["trace"]) == (False, None, None)
+        level, _, fields = started_event(guards.settings, ["look here"])
+        assert (level, fields["warnings"]) == ("warning", ["look here"])
+    finally:
+        guards.close()
+
+
+def test_site_not_called_and_origin_events() -> None:
+    level, event, fields = site_not_called_event(
+        site="sampler.logits",
+        rank="0",
+        heartbeat="engine:Runner.step",
+        steps=256,
+        targets=("engine:Runner.sample",),
+        states=("applied",),
+        calls_total=0,
+    )
+    assert (level, event) == ("warning", SITE_NOT_CALLED_EVENT)
+    assert (fields["targets"], fields["state"], fields["steps"]) == (
+        ["engine:Runner.sample"],
+        ["applied"],
+        256,
+    )
+    assert "guardrails check" in fields["action"]
+    assert origin_event(
+        module="model.layers.3.mlp",
+        site="sampler.logits",
+        kind="posinf",
+        dtype="float16",
+        rank="0",
+        step=2,
+        mode="always",
+    ) == (
+        "warning",
+        NONFINITE_ORIGIN_EVENT,
+        {
+            "module": "model.layers.3.mlp",
+            "site": "sampler.logits",
+            "kind": "posinf",
+            "dtype": "float16",
+            "rank": "0",
+            "step": 2,
+            "mode": "always",
+        },
+    )
