@@ -28,7 +28,6 @@ Contract:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
@@ -45,6 +44,7 @@ from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved, namespace, reader, resolve, vocab_of
 from guardrails.exceptions import TensorTypeError, TensorValueError
 from guardrails.names import ATTACH_ERROR_EVENT, GUARD_ERROR_EVENT
+from guardrails.reporting.recorder import ErrorRecorder
 from guardrails.settings.targets import (
     imported_version,
     installed_version,
@@ -72,89 +72,43 @@ Guard = Callable[..., Any]
 _MARKER = "__guardrails_patch__"
 
 
-class _Recorder:
-    """What `GuardErrors` and `AttachErrors` share: the owner's registry, constant labels
-    and logger (None: prometheus-client's global registry; `guardrails.logs.HostLogger`, the
-    host's structlog or the standard library's "guardrails" logger)."""
-
-    def __init__(
-        self, registry: Any = None, logger: Any = None, labels: dict[str, str] | None = None
-    ) -> None:
-        self._registry = registry
-        self._labels = labels or {}
-        if logger is None:
-            from guardrails.logs import HostLogger  # late: structlog only when it logs
-
-            logger = HostLogger()
-        self._logger = logger
-
-
-class GuardErrors(_Recorder):
+class GuardErrors(ErrorRecorder):
     """Where the patches of one `Guardrails` count the calls they leave unguarded.
 
-    `registry`, `logger` and `labels` are the owner's (see `_Recorder`). Holds no lock: the
-    once-per-(site, reason) log is
-    decided by one atomic `dict.setdefault`, so nothing is held while host code (metrics,
-    logging) runs, and a forked child inherits nothing locked. A failing registry or logger
-    is swallowed: the engine's call must go on.
+    `registry`, `logger` and `labels` are the owner's (see `ErrorRecorder`). Holds no lock:
+    the once-per-(site, reason) log is decided by `ErrorRecorder.first`, so nothing is held
+    while host code (metrics, logging) runs, and a forked child inherits nothing locked. A
+    failing registry or logger is swallowed: the engine's call must go on.
     """
 
-    def __init__(
-        self, registry: Any = None, logger: Any = None, labels: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(registry, logger, labels)
-        self._family: Any = None
-        self._rank = "0"
-        self._series: dict[tuple[str, str], Any] = {}
-        self._logged: dict[tuple[str, str], object] = {}
+    FAMILY = "guard_errors"
+    EVENT = GUARD_ERROR_EVENT
+    LABELS = ("site", "reason")
 
-    def prepare(self, site: str) -> None:
-        """Make the site's series at 0 (a point was applied): a first error then shows as an
-        increase, not as a new series."""
+    def prepare(self, *key: str) -> None:
+        """Make the series of the site `key` names at 0 for every reason (a point was
+        applied): a first error then shows as an increase, not as a new series."""
         from guardrails.reporting.metrics import GUARD_ERROR_REASONS
 
+        (site,) = key
         for reason in GUARD_ERROR_REASONS:
-            with contextlib.suppress(Exception):  # retried at the first increment
-                self._child(site, reason).create()
+            super().prepare(site, reason)
 
     def record(self, point: AttachPoint, reason: str, error: BaseException) -> None:
         """Count one unguarded call of `point`; log the first of each (site, reason)."""
-        with contextlib.suppress(Exception):
-            self._child(point.site, reason).inc()
-        key = (point.site, reason)
-        mine = object()
-        if self._logged.setdefault(key, mine) is not mine:
-            return
-        with contextlib.suppress(Exception):
-            self._logger.error(
-                GUARD_ERROR_EVENT,
+        self.count(point.site, reason)
+        if self.first(point.site, reason):
+            self.log(
                 site=point.site,
                 reason=reason,
                 target=str(point.target),
                 tensor=str(point.tensor),
                 error=f"{type(error).__name__}: {error}",
-                rank=self._rank,
                 action="the call went on unguarded; later ones are counted, not logged",
             )
 
-    def _child(self, site: str, reason: str) -> Any:
-        key = (site, reason)
-        child = self._series.get(key)
-        if child is None:
-            if self._family is None:
-                # Late, and lazy: the series wait for the process's metrics to open
-                # (guardrails.reporting.metrics); nothing here imports prometheus-client.
-                from guardrails.reporting.metrics import guard_metrics, resolve_rank
 
-                self._rank = resolve_rank()
-                self._family = guard_metrics(self._registry, self._labels).guard_errors
-            child = self._series[key] = self._family.labels(
-                site=site, reason=reason, rank=self._rank
-            )
-        return child
-
-
-class AttachErrors(_Recorder):
+class AttachErrors(ErrorRecorder):
     """Where one `Guardrails` counts the attach points and hooks that could not be applied.
 
     A target that does not resolve (an engine version without that method, a hook whose
@@ -163,6 +117,13 @@ class AttachErrors(_Recorder):
     once per point), and the process goes on with every other site guarded. Like
     `GuardErrors`, a failing registry or logger is swallowed.
     """
+
+    FAMILY = "attach_errors"
+    EVENT = ATTACH_ERROR_EVENT
+    LABELS = ("site", "target")
+    # Points fail at install and at imports, some before torch.distributed starts and some
+    # after: each failure reads the rank it happens on.
+    REREAD_RANK = True
 
     def __init__(
         self, registry: Any = None, logger: Any = None, labels: dict[str, str] | None = None
@@ -176,23 +137,14 @@ class AttachErrors(_Recorder):
         text = str(error) if isinstance(error, AttachError) else f"{type(error).__name__}: {error}"
         with self._lock:
             self.failures.append((site, target, text))
-        rank = "0"
-        with contextlib.suppress(Exception):
-            from guardrails.reporting.metrics import guard_metrics, resolve_rank
-
-            rank = resolve_rank()
-            family = guard_metrics(self._registry, self._labels).attach_errors
-            family.labels(site=site, target=target, rank=rank).inc()
-        with contextlib.suppress(Exception):
-            self._logger.error(
-                ATTACH_ERROR_EVENT,
-                site=site,
-                target=target,
-                error=text,
-                rank=rank,
-                action="this site is not guarded there; every other site still is "
-                "(GUARDRAILS_STRICT_ATTACH=true makes this fatal)",
-            )
+        self.count(site, target)
+        self.log(
+            site=site,
+            target=target,
+            error=text,
+            action="this site is not guarded there; every other site still is "
+            "(GUARDRAILS_STRICT_ATTACH=true makes this fatal)",
+        )
 
 
 class PatchOwner(Protocol):

@@ -18,6 +18,7 @@ functions, for the reason given in `guardrails.reporting.metrics`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import os
@@ -29,16 +30,19 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 from guardrails import _process
+from guardrails.exceptions import Problem
 from guardrails.reporting.sinks import multiprocess_dir
 
 __all__ = [
     "Serving",
+    "address_in_use",
+    "bind_problem",
     "claim",
     "multiprocess_dir",
     "probe",
@@ -167,6 +171,39 @@ def serve(
             except OSError as exc:
                 marker_error = exc
         return Serving(started=True, marker_error=marker_error)
+
+
+# Bind errors that are the address's fault, not the port's.
+_ADDRESS_ERRNOS: Final = frozenset(
+    {errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, getattr(errno, "EPFNOSUPPORT", errno.EAFNOSUPPORT)}
+)
+
+
+def address_in_use(exc: BaseException) -> bool:
+    """Whether `serve()` or `probe()` failed because something listens on the port."""
+    return isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE
+
+
+def bind_problem(
+    exc: OSError | UnicodeError, addr: str, port: int, *, addr_origin: str, port_origin: str
+) -> Problem:
+    """What a failed `serve()` or `probe()` says to fix: the address (a name that does not
+    resolve, one this host does not have, a family it lacks) or else the port. `addr_origin`
+    and `port_origin` name where each value came from (`GuardSettings.origin`)."""
+    reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+    text = f"cannot serve metrics on {addr}:{port}: {reason}"
+    if isinstance(exc, socket.gaierror | UnicodeError) or (
+        isinstance(exc, OSError) and exc.errno in _ADDRESS_ERRNOS
+    ):
+        return Problem(
+            addr_origin,
+            text,
+            addr,
+            accepted="an address of this host (127.0.0.1, ::1, 0.0.0.0) or its name",
+        )
+    return Problem(
+        port_origin, text, port, accepted="a free port, or 0 to leave /metrics to the host"
+    )
 
 
 def _marker(path: str, port: int) -> str:

@@ -32,30 +32,21 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
-import math
-import socket
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from guardrails import _process
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger, configure_json_logs
-from guardrails.names import (
-    METRICS_SERVED_ELSEWHERE_EVENT,
-    NO_VALID_TOKEN_EVENT,
-    NONFINITE_EVENT,
-    NONFINITE_ORIGIN_EVENT,
-    OOB_EVENT,
-    REPORTING_ERROR_EVENT,
-    SITE_NOT_CALLED_EVENT,
-    STARTED_EVENT,
-)
-from guardrails.reporting import exposition, metrics
+from guardrails.names import REPORTING_ERROR_EVENT
+from guardrails.reporting import events, exposition, metrics
+from guardrails.reporting.events import Event as _Event
+from guardrails.reporting.recorder import ReportingErrors
+from guardrails.reporting.series import SiteSeries
+from guardrails.reporting.throttle import LogThrottle
 
 if TYPE_CHECKING:
     import torch
@@ -114,62 +105,16 @@ class ReportedSite(Protocol):
     def last_shape(self) -> tuple[int, ...]: ...
 
 
-# An event decided under the lock, delivered after it: (logger method, event name, fields).
-_Event = tuple[str, str, dict[str, Any]]
-
-# Bind errors that are the address's fault, not the port's.
-_ADDRESS_ERRNOS: Final = frozenset(
-    {errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, getattr(errno, "EPFNOSUPPORT", errno.EAFNOSUPPORT)}
-)
-
-# The counts whose increase is news worth a log event (row counts follow from them).
-_NEWS: Final = frozenset(
-    {
-        CountKind.NAN,
-        CountKind.POSINF,
-        CountKind.NEGINF,
-        CountKind.ROWS_NO_VALID_TOKEN,
-        CountKind.OOB_TOKEN,
-    }
-)
-
-
 class _SiteReport:
-    """What has been reported for one site: per-device baselines, totals, throttle state."""
+    """One site as the reporter knows it: what was counted (`series`) and what was logged
+    (`throttle`), kept apart: counts are never throttled."""
 
-    __slots__ = (
-        "calls_child",
-        "children",
-        "devices",
-        "host_only",
-        "logged",
-        "logged_calls",
-        "news",
-        "next_log_at",
-        "reported_calls",
-        "seen_calls",
-        "site",
-        "suppressed",
-        "totals",
-        "unlogged",
-    )
+    __slots__ = ("series", "site", "throttle")
 
     def __init__(self, site: ReportedSite) -> None:
-        n = len(site.slots)
         self.site = site
-        self.children: list[Any] = [None] * n
-        self.calls_child: Any = None
-        self.devices: list[tuple[DeviceCounts, list[int]]] = []
-        self.totals = [0] * n
-        self.logged = [0] * n
-        self.news = tuple(i for i, kind in enumerate(site.slots) if kind in _NEWS)
-        self.reported_calls = 0
-        self.logged_calls = 0
-        self.seen_calls = -1
-        self.suppressed = 0
-        self.next_log_at = -math.inf
-        self.host_only = True
-        self.unlogged = False
+        self.series = SiteSeries(site.slots)
+        self.throttle = LogThrottle(len(site.slots))
 
 
 class Reporter:
@@ -206,11 +151,7 @@ class Reporter:
             registry, settings.metrics.labels, directory=settings.metrics.dir
         )
         self._rank: str | None = None
-        self._errors: dict[str, Any] = {}
-        self._uncounted: Counter[str] = Counter()  # faults before the error series existed
-        self._logged_faults: set[str] = set()
-        # Guards the two above; held for no callback.
-        self._faults_lock = _process.lock(self, "_faults_lock")
+        self._faults = ReportingErrors(self._metrics, self._logger)
         self._closed = False
         if settings.reporting.log_format == "json":
             configure_json_logs()
@@ -305,43 +246,19 @@ class Reporter:
         if marker_dir is None:
             tree = self._settings.metrics.dir
             marker_dir = str(tree) if tree else exposition.multiprocess_dir()
-        in_use = isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE
-        if in_use and exposition.sibling_serves(port, marker_dir):
-            self._deliver(
-                [
-                    (
-                        "info",
-                        METRICS_SERVED_ELSEWHERE_EVENT,
-                        {
-                            "addr": addr,
-                            "port": port,
-                            "reason": "a process tree: another process serves its series",
-                        },
-                    )
-                ]
-            )
+        if exposition.address_in_use(exc) and exposition.sibling_serves(port, marker_dir):
+            self._deliver([events.served_elsewhere_event(addr, port)])
             return
         # At start-up, as a ConfigError naming the variable (or file key) that is at fault:
         # the fix is a configuration change, and hosts already handle this error. Later (the
         # metrics opened in a sampling call or an import), a contained fault.
-        reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
-        text = f"cannot serve metrics on {addr}:{port}: {reason}"
-        if isinstance(exc, socket.gaierror | UnicodeError) or (
-            isinstance(exc, OSError) and exc.errno in _ADDRESS_ERRNOS
-        ):
-            problem = Problem(
-                self._settings.origin("metrics", "addr"),
-                text,
-                addr,
-                accepted="an address of this host (127.0.0.1, ::1, 0.0.0.0) or its name",
-            )
-        else:
-            problem = Problem(
-                self._settings.origin("metrics", "port"),
-                text,
-                port,
-                accepted="a free port, or 0 to leave /metrics to the host",
-            )
+        problem = exposition.bind_problem(
+            exc,
+            addr,
+            port,
+            addr_origin=self._settings.origin("metrics", "addr"),
+            port_origin=self._settings.origin("metrics", "port"),
+        )
         error = ConfigError([problem])
         if at_start:
             raise error from exc
@@ -351,29 +268,11 @@ class Reporter:
 
     def started(self, warnings: Sequence[str] = ()) -> None:
         """Log the start-up event: what guards, what is off, what to look at (`warnings`)."""
-        settings = self._settings
-        config = settings.config_file
-        fields: dict[str, Any] = {
-            "enabled": settings.enabled,
-            "sanitize": settings.sanitize,
-            "async_assert": settings.async_assert,
-            "sites": list(settings.enabled_sites),
-            "disabled_sites": list(settings.disabled_sites),
-            "metrics_port": settings.metrics.port,
-            "metrics_addr": settings.metrics.addr if settings.metrics.port else None,
-            "config_file": None if config is None else str(config),
-            "hooks": list(settings.hooks),
-            "strict_attach": settings.strict_attach,
-            # What `guardrails run` traces (None: nothing); code may call trace() regardless.
-            "trace": {"modules": list(settings.trace.modules), "mode": settings.trace.mode}
-            if settings.trace.modules
-            else None,
-            "warnings": list(warnings),
-        }
+        level, event, fields = events.started_event(self._settings, warnings)
         # Best effort, not counted: a logger that fails here fails on the first real event
         # too, which is counted and logged with its own error.
         with contextlib.suppress(Exception):
-            getattr(self._logger, "warning" if warnings else "info")(STARTED_EVENT, **fields)
+            getattr(self._logger, level)(event, **fields)
 
     def register(self, site: ReportedSite) -> None:
         """A site was created: its series exist at 0 from now on."""
@@ -383,9 +282,10 @@ class Reporter:
             report = self._report_for(site)
             rank = self._resolve_rank(outbox)
             family = self._metrics
+            series = report.series
             for i, kind in enumerate(site.slots):
-                report.children[i] = self._child_for(kind, site, rank, family, outbox)
-            report.calls_child = self._series(family.guard_calls, outbox, site=site.name, rank=rank)
+                series.children[i] = self._child_for(kind, site, rank, family, outbox)
+            series.calls_child = self._series(family.guard_calls, outbox, site=site.name, rank=rank)
         self._deliver(outbox)
 
     def _open_metrics(self, outbox: list[_Event]) -> None:
@@ -404,9 +304,7 @@ class Reporter:
     def track(self, site: ReportedSite, counts: DeviceCounts) -> None:
         """A site got buffers on a new device."""
         with self._lock:
-            report = self._report_for(site)
-            report.devices.append((counts, [0] * len(site.slots)))
-            report.host_only = report.host_only and counts.device.type == "cpu"
+            self._report_for(site).series.track(counts)
 
     def tick(self) -> None:
         """Called from the hot path every `reporting.every_calls` calls of some site.
@@ -431,21 +329,14 @@ class Reporter:
                 if not seen.first:
                     continue
                 outbox.append(
-                    (
-                        "warning",
-                        SITE_NOT_CALLED_EVENT,
-                        {
-                            "site": watched.name,
-                            "rank": rank,
-                            "heartbeat": heartbeat,
-                            "steps": seen.steps,
-                            "targets": list(watched.targets),
-                            "state": list(watched.states),
-                            "calls_total": watched.calls,
-                            "action": "the engine runs a path this site is not on: it guards "
-                            "nothing there. Check the profile against the runner this engine "
-                            "picked (guardrails check; docs/runbook.md)",
-                        },
+                    events.site_not_called_event(
+                        site=watched.name,
+                        rank=rank,
+                        heartbeat=heartbeat,
+                        steps=seen.steps,
+                        targets=watched.targets,
+                        states=watched.states,
+                        calls_total=watched.calls,
                     )
                 )
         self._deliver(outbox)
@@ -526,12 +417,7 @@ class Reporter:
                 )
                 for stage in metrics.ERROR_STAGES
             }
-            with self._faults_lock:
-                self._errors = errors
-                uncounted, self._uncounted = self._uncounted, Counter()
-            for stage, n in uncounted.items():
-                with contextlib.suppress(Exception):
-                    errors[stage].inc(n)
+            self._faults.open(self._rank, errors)
         return self._rank
 
     def _child_for(
@@ -571,10 +457,10 @@ class Reporter:
         hits = []
         clean = False
         for report in list(self._sites.values()):
-            seen = report.seen_calls
+            seen = report.series.seen_calls
             if self._report_site(report, exact=exact, outbox=outbox):
                 hits.append(report.site.name)
-            elif report.site.kind == "logits" and report.seen_calls != seen:
+            elif report.site.kind == "logits" and report.series.seen_calls != seen:
                 clean = True
         if self._traces:
             self._report_traces(hits, clean and not hits, outbox)
@@ -618,18 +504,14 @@ class Reporter:
         )
         self._increment(series, 1, outbox)
         outbox.append(
-            (
-                "warning",
-                NONFINITE_ORIGIN_EVENT,
-                {
-                    "module": origin.module,
-                    "site": site,
-                    "kind": origin.kind,
-                    "dtype": origin.dtype,
-                    "rank": rank,
-                    "step": origin.step,
-                    "mode": str(trace.mode),
-                },
+            events.origin_event(
+                module=origin.module,
+                site=site,
+                kind=origin.kind,
+                dtype=origin.dtype,
+                rank=rank,
+                step=origin.step,
+                mode=str(trace.mode),
             )
         )
 
@@ -654,39 +536,19 @@ class Reporter:
     def _report_site(self, report: _SiteReport, *, exact: bool, outbox: list[_Event]) -> bool:
         """Report one site; True when it brought new non-finite logits (a trace's cue)."""
         calls = report.site.calls
-        # On the CPU the counts only change with calls, and reading them is most of the cost
-        # of a poll: a site not called since the last look, with nothing left to log, is done.
-        if not exact and calls == report.seen_calls and report.host_only and not report.unlogged:
+        series, throttle = report.series, report.throttle
+        # Reading the counts is most of the cost of a poll: a site not called since the last
+        # look, with nothing left to log, is done.
+        if not exact and series.unchanged(calls) and not throttle.pending:
             return False
-        fresh = False
-        for counts, base in report.devices:
-            if not exact and calls == report.seen_calls and counts.device.type == "cpu":
-                continue
-            try:
-                if exact:
-                    values = counts.exact()
-                else:
-                    values = counts.latest()
-                    # The next copy, for the next look: a site whose work only replays in a
-                    # CUDA graph makes no Python call that would ask for one (no-op on CPU).
-                    counts.request()
-            except Exception as exc:
-                self._fault("poll", exc, outbox)
-                continue
-            for i, value in enumerate(values):
-                delta = value - base[i]
-                # A copy older than what was reported (an exact read overtook it) is <= 0.
-                if delta > 0 and self._increment(report.children[i], delta, outbox):
-                    base[i] = value
-                    report.totals[i] += delta
-                    if i in report.news:
-                        fresh = True
-        report.seen_calls = calls
-        delta_calls = calls - report.reported_calls
-        if delta_calls > 0 and self._increment(report.calls_child, delta_calls, outbox):
-            report.reported_calls = calls
-        if fresh or report.unlogged:
-            report.unlogged = True
+        fresh = series.advance(
+            calls,
+            exact=exact,
+            increment=lambda child, delta: self._increment(child, delta, outbox),
+            failed_read=lambda exc: self._fault("poll", exc, outbox),
+        )
+        if fresh or throttle.pending:
+            throttle.pending = True
             self._maybe_log(report, fresh=fresh, final=exact, outbox=outbox)
         return fresh and report.site.kind == "logits"
 
@@ -707,72 +569,40 @@ class Reporter:
     ) -> None:
         # The throttle is checked before anything is built for the event.
         now = self._clock()
-        if not final and now < report.next_log_at:
-            if fresh:
-                report.suppressed += 1
+        throttle, series = report.throttle, report.series
+        if not throttle.due(now, fresh=fresh, final=final):
             return
+        site = report.site
         try:
-            outbox.append(self._event(report))
+            dtype = site.last_dtype
+            outbox.append(
+                events.site_event(
+                    site=site.name,
+                    kind=site.kind,
+                    slots=site.slots,
+                    totals=series.totals,
+                    logged=throttle.logged,
+                    calls_total=series.reported_calls,
+                    logged_calls=throttle.logged_calls,
+                    suppressed=throttle.suppressed,
+                    rank=self._rank,
+                    vocab_size=site.vocab_size if site.kind == "token_ids" else None,
+                    dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+                    shape=site.last_shape,
+                )
+            )
         except Exception as exc:
             self._fault("logs", exc, outbox)
         # Advanced now, whether or not delivery works: the throttle state is exact under the
         # lock, and a broken logger must not be retried per call.
-        report.next_log_at = now + self._interval
-        report.logged = list(report.totals)
-        report.logged_calls = report.reported_calls
-        report.suppressed = 0
-        report.unlogged = False
-
-    def _event(self, report: _SiteReport) -> _Event:
-        site = report.site
-        fields: dict[str, Any] = {"site": site.name, "rank": self._rank}
-        deltas: dict[CountKind, int] = {}
-        for i, kind in enumerate(site.slots):
-            deltas[kind] = report.totals[i] - report.logged[i]
-            fields[str(kind)] = deltas[kind]
-            fields[f"{kind}_total"] = report.totals[i]
-        if site.kind == "token_ids":
-            event, rows, level = OOB_EVENT, deltas[CountKind.ROWS_OOB_TOKEN], "error"
-            fields["vocab_size"] = site.vocab_size
-        elif deltas.get(CountKind.ROWS_NO_VALID_TOKEN, 0) > 0:
-            event, rows, level = (
-                NO_VALID_TOKEN_EVENT,
-                deltas[CountKind.ROWS_NO_VALID_TOKEN],
-                "error",
-            )
-        else:
-            event, rows, level = NONFINITE_EVENT, deltas[CountKind.ROWS_NONFINITE], "warning"
-        dtype = site.last_dtype
-        fields.update(
-            rows=rows,
-            calls=report.reported_calls - report.logged_calls,
-            calls_total=report.reported_calls,
-            dtype=None if dtype is None else str(dtype).removeprefix("torch."),
-            shape=list(site.last_shape),
-            suppressed=report.suppressed,
-        )
-        return level, event, fields
+        throttle.logged_now(now, self._interval, series.totals, series.reported_calls)
 
     def _fault(self, stage: str, exc: Exception, outbox: list[_Event] | None = None) -> None:
         """Count a contained fault and log it once per stage: into `outbox` when called under
         the lock, else at once."""
-        with self._faults_lock:
-            child = self._errors.get(stage)
-            if child is None:
-                self._uncounted[stage] += 1
-            first = stage not in self._logged_faults
-            self._logged_faults.add(stage)
-        if child is not None:
-            # The metrics themselves may be what failed; the log below still says so.
-            with contextlib.suppress(Exception):
-                child.inc()
-        if not first:
+        event = self._faults.record(stage, exc, self._rank)
+        if event is None:
             return
-        event: _Event = (
-            "error",
-            REPORTING_ERROR_EVENT,
-            {"stage": stage, "error": f"{type(exc).__name__}: {exc}", "rank": self._rank},
-        )
         if outbox is not None:
             outbox.append(event)
         else:
@@ -783,14 +613,9 @@ class Reporter:
         # its own calls (in multiprocess mode both write their own files, which are summed).
         self._reporting = False
         for report in self._sites.values():
-            report.reported_calls = report.logged_calls = report.site.calls
-            for counts, base in report.devices:
-                if counts.device.type == "cpu":
-                    base[:] = counts.latest()
-            report.totals = [0] * len(report.totals)
-            report.logged = [0] * len(report.logged)
-            report.suppressed = 0
-            report.unlogged = False
+            calls = report.site.calls
+            report.series.restart(calls)
+            report.throttle.restart(calls)
 
 
 # -- interpreter exit and fork -------------------------------------------------------------
