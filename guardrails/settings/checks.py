@@ -14,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -24,16 +24,66 @@ from guardrails.settings.fields import is_loopback
 from guardrails.settings.problems import closest, site_hint
 from guardrails.settings.schema import model_at, plain
 
-if TYPE_CHECKING:
-    from guardrails.settings.models import AttachSettings, GuardSettings, SiteSettings
-
 __all__ = ["check_attach_point", "check_site_table", "cross_field_problems", "notice_problems"]
+
+
+# What the checks read of the models (`SiteSettings`, `AttachSettings`, `GuardSettings` in
+# settings/models.py, which calls these checks): named by shape, so that this module never
+# imports the models (no import cycle, TYPE_CHECKING included; tests/system/test_layering.py).
+class SiteTable(Protocol):
+    @property
+    def on_no_valid_token(self) -> str: ...
+    @property
+    def eos_token_id(self) -> int | None: ...
+    @property
+    def abort_on(self) -> tuple[str, ...]: ...
+
+
+class AttachPoint(Protocol):
+    @property
+    def site(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def vocab_size(self) -> int | None: ...
+    @property
+    def vocab_size_from(self) -> object: ...
+
+
+class MetricsTable(Protocol):
+    @property
+    def port(self) -> int: ...
+    @property
+    def addr(self) -> str: ...
+
+
+class Settings(Protocol):
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def enabled_sites(self) -> tuple[str, ...]: ...
+    @property
+    def disabled_sites(self) -> tuple[str, ...]: ...
+    @property
+    def hooks(self) -> tuple[str, ...]: ...
+    @property
+    def heartbeat(self) -> tuple[str, ...]: ...
+    @property
+    def metrics(self) -> MetricsTable: ...
+    @property
+    def sites(self) -> Mapping[str, SiteTable]: ...
+    @property
+    def attach(self) -> tuple[AttachPoint, ...]: ...
+    def is_site_enabled(self, name: str) -> bool: ...
+    def site_settings(self, name: str) -> SiteTable: ...
+    def unacted_abort_sites(self) -> tuple[str, ...]: ...
+
 
 # The origin of a key path, as the construction's `Collector` names it.
 Where = Callable[[tuple[str | int, ...]], str]
 
 
-def check_site_table(site: SiteSettings) -> None:
+def check_site_table(site: SiteTable) -> None:
     """ValueError where the fields of one `[sites."name"]` table do not go together."""
     if site.on_no_valid_token == "eos" and site.eos_token_id is None:
         raise ValueError(
@@ -41,7 +91,7 @@ def check_site_table(site: SiteSettings) -> None:
         )
 
 
-def check_attach_point(point: AttachSettings) -> None:
+def check_attach_point(point: AttachPoint) -> None:
     """ValueError where the fields of one `[[attach]]` entry do not go together."""
     given = (point.vocab_size is not None) + (point.vocab_size_from is not None)
     if point.kind == "token_ids" and given != 1:
@@ -53,7 +103,7 @@ def check_attach_point(point: AttachSettings) -> None:
         raise ValueError('vocab_size and vocab_size_from apply only to kind = "token_ids"')
 
 
-def notice_problems(settings: GuardSettings, where: Where) -> Iterator[Problem]:
+def notice_problems(settings: Settings, where: Where) -> Iterator[Problem]:
     """What is valid in `settings` but worth a warning (`GuardSettings.notices`)."""
     attach_sites = {point.site for point in settings.attach}
     if not settings.enabled:
