@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from guardrails import _process
+from guardrails._sites import DisabledSite, LogitsSite, Site, TokenSite
 from guardrails.attach.handles import GuardedFunction, Handle, attach_module
 from guardrails.attach.liveness import HeartbeatHandle, Liveness, Watched, heartbeat_points
 from guardrails.attach.patching import AttachErrors, GuardErrors, PatchHandle
@@ -34,10 +35,9 @@ from guardrails.exceptions import Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger
 from guardrails.names import validate_site_name
+from guardrails.reporting._reporter import Reporter
 from guardrails.reporting.hook_errors import HookErrors
-from guardrails.reporting.reporter import Reporter
 from guardrails.settings import GuardSettings
-from guardrails.sites import DisabledSite, LogitsSite, Site, TokenSite
 
 if TYPE_CHECKING:
     from torch import nn

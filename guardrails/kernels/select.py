@@ -13,7 +13,7 @@ __all__ = ["select_logits_kernel"]
 def select_logits_kernel(device: torch.device) -> LogitsKernel:
     """The fastest available implementation for tensors on `device`."""
     if device.type == "cpu":
-        from guardrails.kernels.cpu import CPU_KERNEL
+        from guardrails.kernels._cpu import CPU_KERNEL
 
         return CPU_KERNEL
     if device.type == "cuda":

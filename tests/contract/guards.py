@@ -160,7 +160,7 @@ def load_kernel(name: str, triton_device_code: ModuleType | None = None) -> Any:
 
         return REFERENCE_KERNEL
     if name.startswith("cpu"):
-        from guardrails.kernels.cpu import CPU_KERNEL, CpuLogitsKernel
+        from guardrails.kernels._cpu import CPU_KERNEL, CpuLogitsKernel
 
         return (
             CpuLogitsKernel(chunk=int(name.removeprefix("cpu_chunk")))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from guardrails.flags import LOGITS_SLOTS
-from guardrails.kernels.cpu import CPU_KERNEL, CpuLogitsKernel, chunk_plan
+from guardrails.kernels._cpu import CPU_KERNEL, CpuLogitsKernel, chunk_plan
 from tests.contract.guards import KernelDriver, Mode
 from tests.contract.strategies import DTYPES
 

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from guardrails.kernels.cpu import _CHUNKED_CHECK_MIN, CPU_KERNEL
+from guardrails.kernels._cpu import _CHUNKED_CHECK_MIN, CPU_KERNEL
 from tests.budget import budget
 from tests.contract.guards import KernelDriver, Mode, open_driver
 

@@ -3,7 +3,7 @@ module importable on its own in a fresh interpreter.
 
 The graph is read from the source (every `import` statement anywhere in a module, inside
 functions and `if TYPE_CHECKING:` blocks too), so a cycle held together by a late import is
-still a cycle here. Parent packages are not edges: importing `guardrails.kernels.cpu` runs
+still a cycle here. Parent packages are not edges: importing `guardrails.kernels._cpu` runs
 `guardrails/kernels/__init__.py`, but what that file imports is its own edge.
 """
 
@@ -101,9 +101,9 @@ def _cycle() -> list[str] | None:
 def test_the_graph_sees_the_package() -> None:
     # Guards the test itself: a graph with no edges would have no cycle either.
     assert len(MODULES) > 40
-    assert "guardrails.sites" in GRAPH["guardrails.service"]
+    assert "guardrails._sites" in GRAPH["guardrails.service"]
     assert "guardrails.reporting.mirror" in GRAPH["guardrails._site_buffers"]
-    assert "guardrails._site_buffers" in GRAPH["guardrails.sites"]
+    assert "guardrails._site_buffers" in GRAPH["guardrails._sites"]
 
 
 def test_no_import_cycle_lazy_and_type_checking_imports_included() -> None:
@@ -130,19 +130,19 @@ def test_the_shared_vocabulary_imports_nothing_of_guardrails(module: str) -> Non
 @pytest.mark.parametrize(
     ("low", "high"),
     [
-        ("guardrails.kernels", "guardrails.sites"),
+        ("guardrails.kernels", "guardrails._sites"),
         ("guardrails.kernels", "guardrails.settings"),
         ("guardrails.kernels", "guardrails.reporting"),
-        ("guardrails.reporting", "guardrails.sites"),
+        ("guardrails.reporting", "guardrails._sites"),
         ("guardrails.reporting", "guardrails.service"),
         ("guardrails.attach", "guardrails.service"),
-        ("guardrails.attach", "guardrails.sites"),
-        ("guardrails.settings", "guardrails.sites"),
+        ("guardrails.attach", "guardrails._sites"),
+        ("guardrails.settings", "guardrails._sites"),
         ("guardrails.settings", "guardrails.service"),
         ("guardrails.settings", "guardrails.reporting"),
         # A site's buffers and input checks sit below the sites and above the kernels.
-        ("guardrails._site_buffers", "guardrails.sites"),
-        ("guardrails._site_inputs", "guardrails.sites"),
+        ("guardrails._site_buffers", "guardrails._sites"),
+        ("guardrails._site_inputs", "guardrails._sites"),
         ("guardrails.kernels", "guardrails._site_buffers"),
         ("guardrails.kernels", "guardrails._site_inputs"),
         ("guardrails.reporting", "guardrails._site_buffers"),

@@ -128,7 +128,7 @@ def test_every_lock_guardrails_holds_is_one_the_registry_made() -> None:
         "guardrails.reporting.mirror:_exchange_lock",
         "guardrails.service:_default_lock",
         "guardrails.service.Guardrails._lock",
-        "guardrails.sites.LogitsSite._lock",
+        "guardrails._sites.LogitsSite._lock",
         "guardrails.attach.patching.AttachErrors._lock",
         "guardrails.attach.patching.PatchHandle._lock",
     ):

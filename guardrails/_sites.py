@@ -62,7 +62,7 @@ from guardrails.names import validate_site_name
 from guardrails.reporting.mirror import DeviceCounts, capturing_on
 
 if TYPE_CHECKING:
-    from guardrails.reporting.reporter import Reporter
+    from guardrails.reporting._reporter import Reporter
     from guardrails.settings import SiteSettings
 
 __all__ = ["DisabledSite", "LogitsSite", "Site", "TokenSite"]
