@@ -1,17 +1,19 @@
 """Tracing under `guardrails run`: the engine's model is traced once it is built.
 
 With `[trace] modules = [...]` (or `GUARDRAILS_TRACE`) set, `trace_built_models(guards)`
-patches the loaders below, when their module is imported, so that each model they return is
-traced through `guards.trace(model)` with the settings' patterns and mode, once per model:
+patches the loaders below, when their module is imported, so that the model each one builds
+is traced through `guards.trace(model)` with the settings' patterns and mode, once per model:
 
-    transformers.modeling_utils:PreTrainedModel.from_pretrained    (generate, transformers
-                                                                    serve in both modes)
+    transformers.modeling_utils:PreTrainedModel.from_pretrained   the model it returns
+                                                                  (generate, transformers serve)
+    vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model     the runner's `.model` after
+    vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model     it (vLLM's V2 and V1 runners)
+    sglang.srt.model_executor.model_runner:ModelRunner.load_model the runner's `.model` after it
 
-SGLang and vLLM build their models through their own loaders, which are not patched yet: in
-those engines call `guardrails.default().trace(model)` from code. A pattern that matches no
-module of the loaded model (another architecture) is an attach error (logged, counted in
-`guardrails_attach_errors_total{site="trace"}`, fatal only under `strict_attach`); the model
-is then returned untraced.
+A pattern that matches no module of the loaded model (another architecture) is an attach
+error (logged, counted in `guardrails_attach_errors_total{site="trace"}`, fatal only under
+`strict_attach`); the model is then returned untraced. A loader whose module is never imported
+(another engine) stays pending and costs nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +49,14 @@ class Guardrails(Protocol):
     def trace(self, model: Any) -> Trace: ...
 
 
-LOADERS: Final = ("transformers.modeling_utils:PreTrainedModel.from_pretrained",)
+# Loader -> where the model is once it ran: "return" (its result) or "self.model" (the
+# attribute its receiver holds it in).
+LOADERS: Final[dict[str, str]] = {
+    "transformers.modeling_utils:PreTrainedModel.from_pretrained": "return",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model": "self.model",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model": "self.model",
+    "sglang.srt.model_executor.model_runner:ModelRunner.load_model": "self.model",
+}
 
 
 class TracedLoader(ImportPatch):
@@ -58,8 +67,12 @@ class TracedLoader(ImportPatch):
         point: AttachPoint,
         guards: Guardrails,
         on_error: Callable[[AttachError], None] | None,
+        model_at: str = "return",
     ) -> None:
         super().__init__(point, on_error, None, lambda: guards.closed)
+        if model_at not in ("return", "self.model"):
+            raise ValueError(f"a loader's model is at 'return' or 'self.model', not {model_at!r}")
+        self.model_at = model_at
         self._guards = weakref.ref(guards)
         self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = _process.lock(self, "_lock")
@@ -67,14 +80,19 @@ class TracedLoader(ImportPatch):
         self._acting = True
 
     def _wrap(self, resolved: Resolved) -> Callable[..., Any]:
-        def traced(args: tuple[Any, ...], kwargs: dict[str, Any], model: Any) -> None:
-            self._trace(model)
+        from_self = self.model_at == "self.model"
+
+        def traced(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+            if from_self:
+                self._trace(getattr(args[0], "model", None) if args else None)
+            else:
+                self._trace(result)
 
         return around(resolved.func, after=traced)
 
     def _trace(self, model: Any) -> None:
         guards = self._guards()
-        if guards is None or guards.closed or not self._acting:
+        if guards is None or guards.closed or not self._acting or model is None:
             return
         with self._lock:
             if model in self._seen:
@@ -102,14 +120,14 @@ def trace_built_models(
     if not guards.settings.enabled or not guards.settings.trace.modules:
         return []  # GUARDRAILS_ENABLED=false: no site reports, so nothing would read them
     handles = []
-    for text in LOADERS:
+    for text, model_at in LOADERS.items():
         point = AttachPoint(
             site="trace",
             target=parse_target(text),
             tensor=Ref("return"),
             origin=guards.settings.origin("trace", "modules"),
         )
-        handle = TracedLoader(point, guards, on_error)
+        handle = TracedLoader(point, guards, on_error, model_at)
         handle.install()
         handles.append(handle)
     return handles

@@ -1,0 +1,82 @@
+"""The loader patches of `guardrails run` (guardrails/integrations/tracing.py): a loader whose
+model is its result, and one whose model is its receiver's `.model` afterwards (the vLLM and
+SGLang model runners' `load_model`), each on a module imported for real."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from guardrails.integrations import tracing
+from guardrails.testing import fresh_guardrails
+from tests.attach.modules import module_on_path
+
+RUNNER = """
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(x)
+
+class Runner:
+    model = None
+
+    def load_model(self, build=True):
+        if build:
+            self.model = Net()
+
+def build():
+    return Net()
+"""
+
+
+@pytest.mark.parametrize("model_at", ["self.model", "return"])
+def test_a_loader_traces_the_model_it_builds(
+    model_at: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with module_on_path(RUNNER, "runner", tmp_path, monkeypatch) as name:
+        target = f"{name}:Runner.load_model" if model_at == "self.model" else f"{name}:build"
+        monkeypatch.setattr(tracing, "LOADERS", {target: model_at})
+        guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
+        try:
+            (loader,) = guards.trace_configured()
+            module = importlib.import_module(name)
+            assert loader.state == "applied"
+            if model_at == "self.model":
+                runner = module.Runner()
+                runner.load_model(build=False)  # built nothing: nothing traced
+                assert loader.traces == []
+                runner.load_model()
+                model = runner.model
+                runner.load_model.__func__(runner, build=False)  # the same model: traced once
+            else:
+                model = module.build()
+            (trace,) = loader.traces
+            assert trace.names == ("head",)
+            assert trace.buffer in dict(model.named_buffers())
+        finally:
+            guards.close()
+        assert not trace.installed
+
+
+def test_a_loader_model_place_is_return_or_self_model() -> None:
+    guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
+    try:
+        point = tracing.AttachPoint(
+            site="trace",
+            target=tracing.parse_target("m:f"),
+            tensor=tracing.Ref("return"),
+            origin="test",
+        )
+        with pytest.raises(ValueError, match=re.escape("'return' or 'self.model', not 'self.net'")):
+            tracing.TracedLoader(point, guards, None, "self.net")
+    finally:
+        guards.close()
