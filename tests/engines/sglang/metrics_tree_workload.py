@@ -54,13 +54,12 @@ def tokenizer_metrics() -> None:
     # bucket settings from them; 0.5.23 also takes None).
     args = ServerArgs(model_path="dummy", device="cpu", sampling_backend="pytorch")
     collector = TokenizerMetricsCollector(server_args=args, labels={"model_name": "m"})
-    # The labels SGLang's own counting passes: 0.5.14+ adds is_streaming to the collector's.
-    labels = {"model_name": "m"}
-    try:
-        series = collector.prompt_tokens_total.labels(**labels, is_streaming="false")
-    except ValueError:  # 0.5.13: the collector's labels only
-        series = collector.prompt_tokens_total.labels(**labels)
-    series.inc(PROMPT_TOKENS)
+    # The labels SGLang's own counting passes: 0.5.14+ adds is_streaming to the collector's
+    # (the same version split as test_metrics_tree.PROMPT_TOKENS).
+    from tests.engines.sglang.engine import NEW
+
+    labels = {"model_name": "m", "is_streaming": "false"} if NEW else {"model_name": "m"}
+    collector.prompt_tokens_total.labels(**labels).inc(PROMPT_TOKENS)
 
 
 def main() -> None:
