@@ -100,10 +100,9 @@ class TracedLoader(ImportPatch):
             self._seen.add(model)
         try:
             self.traces.append(guards.trace(model))
-        except (ValueError, TypeError) as exc:
-            error = AttachError(
-                [Problem(guards.settings.origin("trace", "modules"), f"{exc}", None)]
-            )
+        except Exception as exc:  # never the engine's model load that fails for a trace
+            why = str(exc) if isinstance(exc, ValueError | TypeError) else repr(exc)
+            error = AttachError([Problem(guards.settings.origin("trace", "modules"), why, None)])
             if self._on_error is None:
                 raise error from exc
             self._on_error(error)

@@ -80,3 +80,27 @@ def test_a_loader_model_place_is_return_or_self_model() -> None:
             tracing.TracedLoader(point, guards, None, "self.net")
     finally:
         guards.close()
+
+
+def test_a_trace_that_fails_never_fails_the_engines_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with module_on_path(RUNNER, "runner", tmp_path, monkeypatch) as name:
+        monkeypatch.setattr(tracing, "LOADERS", {f"{name}:Runner.load_model": "self.model"})
+        guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
+
+        def broken(model: object) -> None:
+            raise RuntimeError("a bug in guardrails")
+
+        monkeypatch.setattr(guards, "trace", broken)
+        errors: list[Exception] = []
+        try:
+            (loader,) = guards.trace_configured(on_error=errors.append)
+            runner = importlib.import_module(name).Runner()
+            runner.load_model()  # the engine's load goes on
+            assert runner.model is not None
+            assert loader.traces == []
+            (error,) = errors
+            assert "RuntimeError('a bug in guardrails')" in str(error)
+        finally:
+            guards.close()
