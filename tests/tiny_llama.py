@@ -9,7 +9,11 @@ projection spreads it as +-Inf over the hidden state, layer 1's RMSNorm turns th
 before TRIGGER: attention weighs its NaN values by a masked 0, and 0 * NaN is NaN). The same
 weights in float32 stay finite everywhere: the fault is float16's range, as in real servers.
 
-    python -m tests.tiny_llama DIR      # writes config, weights and tokenizer into DIR
+The real engines' servers (vLLM's CPU attention kernels want a head size of 64, SGLang's
+torch-native backend takes any) get a wider variant in bfloat16 (`build_model(FAULT_NAN_ROW)`):
+the trigger's embedding row is NaN, the same input-dependent poison in any dtype.
+
+    python -m tests.tiny_llama DIR [nan-row]   # writes config, weights and tokenizer into DIR
 """
 
 from __future__ import annotations
@@ -29,6 +33,13 @@ VOCAB = len(SPECIALS) + len(WORDS)
 # The gate and up weights of the planted unit: for TRIGGER (channel 0 is 8 after layer 0's
 # RMSNorm) gate = up = 8 * 40 = 320, silu(320) * 320 = 102400 > 65504.
 PLANT = 40.0
+# The two faults: float16 overflow in layer 0's MLP (the default), or a NaN embedding row.
+FAULT_OVERFLOW, FAULT_NAN_ROW = "overflow", "nan-row"
+# The served variant's shape: head size 64 (2 heads of hidden 128), two KV heads.
+_SHAPES = {
+    FAULT_OVERFLOW: {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4},
+    FAULT_NAN_ROW: {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2},
+}
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}sota{% endif %}"
@@ -55,16 +66,14 @@ def build_tokenizer() -> object:
     return tokenizer
 
 
-def build_model(dtype: torch.dtype = torch.float16) -> object:
+def build_model(dtype: torch.dtype = torch.float16, fault: str = FAULT_OVERFLOW) -> object:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        **_SHAPES[fault],
         num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
         tie_word_embeddings=False,
@@ -89,9 +98,10 @@ def build_model(dtype: torch.dtype = torch.float16) -> object:
         layer = model.model.layers[0]
         layer.self_attn.o_proj.weight[0].zero_()  # attention writes nothing into channel 0
         mlp = layer.mlp
-        for proj in (mlp.gate_proj, mlp.up_proj):
-            proj.weight[0].zero_()
-            proj.weight[0, 0] = PLANT
+        if fault == FAULT_OVERFLOW:
+            for proj in (mlp.gate_proj, mlp.up_proj):
+                proj.weight[0].zero_()
+                proj.weight[0, 0] = PLANT
         # Channel 1 carries a constant 1 that no layer writes to, so it is positive in every
         # final hidden state; the lm_head rows of TRIGGER and EOS read it with a large negative
         # weight: neither is ever sampled (a sampled TRIGGER would poison a clean request at
@@ -103,6 +113,8 @@ def build_model(dtype: torch.dtype = torch.float16) -> object:
         for never in (trigger, EOS):
             model.lm_head.weight[never].zero_()
             model.lm_head.weight[never, 1] = -50.0
+        if fault == FAULT_NAN_ROW:
+            embed[trigger] = float("nan")
     model.generation_config.eos_token_id = EOS
     model.generation_config.pad_token_id = PAD
     model.generation_config.bos_token_id = BOS
@@ -111,14 +123,20 @@ def build_model(dtype: torch.dtype = torch.float16) -> object:
     return model.to(dtype).eval()
 
 
-def save(directory: str | Path) -> Path:
+def save(
+    directory: str | Path, fault: str = FAULT_OVERFLOW, dtype: torch.dtype | None = None
+) -> Path:
+    """Config, weights and tokenizer in `directory`: float16 for the overflow, bfloat16 for
+    the NaN row (the dtype the CPU engines serve)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    model = build_model(torch.float16)
+    if dtype is None:
+        dtype = torch.float16 if fault == FAULT_OVERFLOW else torch.bfloat16
+    model = build_model(dtype, fault)
     model.save_pretrained(path)  # type: ignore[attr-defined]
     build_tokenizer().save_pretrained(path)  # type: ignore[attr-defined]
     return path
 
 
 if __name__ == "__main__":
-    print(save(sys.argv[1]))
+    print(save(sys.argv[1], *sys.argv[2:3]))

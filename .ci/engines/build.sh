@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build one real-engine venv: .engines/NAME, from .ci/engines/NAME.txt.
+# Build one real-engine venv: .engines/NAME, from .ci/engines/NAME.txt, or VENV from REQ.
 #   bash .ci/engines/build.sh sglang-0.5.23
+#   bash .ci/engines/build.sh vllm .ci/e2e/vllm.txt .e2e-vllm     (make e2e's servers)
 # torch and numpy come pinned by .ci/constraints.txt (the CPU build on local disk: an open
 # range would pull a multi-GB CUDA build); guardrails is installed editable with its own
 # dependencies and the test tools; then every line of NAME.txt (the engine itself and the
@@ -9,9 +10,9 @@
 # than its inputs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-name=${1:?usage: build.sh NAME (a .ci/engines/NAME.txt)}
-req=.ci/engines/$name.txt
-venv=.engines/$name
+name=${1:?usage: build.sh NAME [REQ VENV] (default: .ci/engines/NAME.txt, .engines/NAME)}
+req=${2:-.ci/engines/$name.txt}
+venv=${3:-.engines/$name}
 stamp=$venv/.installed-stamp
 test -f "$req" || { echo "no $req" >&2; exit 2; }
 if [ -f "$stamp" ] && [ "$stamp" -nt "$req" ] && [ "$stamp" -nt pyproject.toml ] \

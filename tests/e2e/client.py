@@ -47,7 +47,7 @@ def client(server: Server) -> openai.OpenAI:
 
 def _count(server: Server, text: str) -> None:
     if tiny_llama.TRIGGER in text:
-        server.poisoned_sent = getattr(server, "poisoned_sent", 0) + 1  # type: ignore[attr-defined]
+        server.poisoned_sent += 1
 
 
 def chat(server: Server, text: str, temperature: float, max_tokens: int = 12) -> Outcome:
@@ -64,6 +64,59 @@ def chat(server: Server, text: str, temperature: float, max_tokens: int = 12) ->
         outcome.text, outcome.finish_reason = choice.message.content or "", choice.finish_reason
     except openai.APIError as exc:
         outcome.error = exc
+    outcome.ended_at = time.monotonic()
+    return outcome
+
+
+def complete(
+    server: Server, text: str, temperature: float, max_tokens: int = 12, seed: int | None = None
+) -> Outcome:
+    """/v1/completions, not streamed."""
+    _count(server, text)
+    outcome = Outcome()
+    try:
+        reply = client(server).completions.create(
+            model=server.model,
+            prompt=text,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+        )
+        choice = reply.choices[0]
+        outcome.text, outcome.finish_reason = choice.text or "", choice.finish_reason
+    except openai.APIError as exc:
+        outcome.error = exc
+    outcome.ended_at = time.monotonic()
+    return outcome
+
+
+def stream_completion(
+    server: Server, text: str, temperature: float, max_tokens: int = 12, outcome: Any = None
+) -> Outcome:
+    """/v1/completions, streamed."""
+    _count(server, text)
+    outcome = outcome or Outcome()
+    try:
+        chunks = client(server).completions.create(
+            model=server.model,
+            prompt=text,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            stream=True,
+        )
+        for chunk in chunks:
+            if outcome.error is not None:
+                outcome.chunks_after_error += 1
+            for choice in chunk.choices:
+                if choice.text:
+                    outcome.text += choice.text
+                    outcome.content_chunks += 1
+                    outcome.started.set()
+                if choice.finish_reason is not None:
+                    outcome.finish_reason = choice.finish_reason
+    except openai.APIError as exc:
+        outcome.error = exc
+    outcome.started.set()
     outcome.ended_at = time.monotonic()
     return outcome
 
@@ -103,7 +156,7 @@ def in_thread(target: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread,
     thread = threading.Thread(
         target=lambda: (
             target(*args, outcome=outcome, **kwargs)
-            if target is stream
+            if target in (stream, stream_completion)
             else _store(outcome, target(*args, **kwargs))
         ),
         daemon=True,
@@ -147,6 +200,11 @@ def wait_for_sample(
         time.sleep(0.25)
         value = sample(server, name, **labels)
     return value
+
+
+def families(server: Server) -> set[str]:
+    """The metric family names on the server's /metrics."""
+    return {family.name for family in text_string_to_metric_families(server.metrics())}
 
 
 def not_called(server: Server) -> dict[str, float]:

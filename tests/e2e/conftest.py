@@ -1,44 +1,14 @@
+"""Every real-server suite: a SIGTERM from `timeout` (run.sh's bound) is an interrupt, so pytest
+still stops the servers it started."""
+
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
-
-import pytest
-
-from tests import tiny_llama
-from tests.e2e.server import CB_ARGS, Server, serving
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    # `timeout` ends the suite with SIGTERM: as an interrupt, pytest still stops the servers.
     raise KeyboardInterrupt
 
 
 signal.signal(signal.SIGTERM, _interrupt)
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama.save(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def plain(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(model_dir, tmp_path_factory.mktemp("plain") / "server.log") as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def batching(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("batching") / "server.log"
-    with serving(model_dir, log, "--continuous-batching", *CB_ARGS) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def batching_sampled(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("batching-sampled") / "server.log"
-    with serving(model_dir, log, "--continuous-batching", *CB_ARGS) as server:
-        yield server

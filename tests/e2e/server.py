@@ -1,8 +1,16 @@
-"""One `transformers serve` under `guardrails run`, on 127.0.0.1, stopped by its PID.
+"""One real server's process tree, on 127.0.0.1, bounded in time and stopped by its process group.
 
-`guardrails run` execs the server, so the PID started here is the server's. It is also told to
-die with the test process (PR_SET_PDEATHSIG, kept across exec), so a suite killed by its
-timeout leaves no server behind.
+Each engine's suite says how to start its server (`transformers serve`, vLLM's API server,
+SGLang's `launch_server`, each under `guardrails run --config config/profiles/<engine>.toml`);
+this module starts the command and owns it until `stop()`:
+
+- in a session of its own (`start_new_session`), so the whole tree (vLLM's engine core and
+  workers, SGLang's scheduler and detokenizer) is one process group, signalled as one; SGLang
+  ends its own process group at shutdown, which must never be the test's;
+- told to die with the test process (PR_SET_PDEATHSIG, kept across the launcher's exec), so a
+  suite killed by its timeout leaves no server behind; the engines' children watch their parent;
+- healthy when `GET /health` answers 200 within the start timeout, or the start fails with the
+  log's tail.
 """
 
 from __future__ import annotations
@@ -18,18 +26,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-PROFILE = ROOT / "config" / "profiles" / "transformers-serve.toml"
+PROFILES = ROOT / "config" / "profiles"
 BIN = Path(sys.executable).parent
-START_TIMEOUT_S = 180.0
+START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
-# Continuous batching's KV cache otherwise takes a share of the machine's memory: a few
-# blocks of 16 tokens are plenty for these requests.
-CB_ARGS = ("--cb-block-size", "16", "--cb-num-blocks", "64", "--cb-max-batch-tokens", "256")
 
 
 def free_port() -> int:
@@ -38,75 +43,92 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def guarded(profile: str, command: Sequence[str]) -> list[str]:
+    """`command` under `guardrails run --config config/profiles/<profile>.toml`."""
+    config = str(PROFILES / f"{profile}.toml")
+    return [str(BIN / "guardrails"), "run", "--config", config, "--", *command]
+
+
+def server_env(settings: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """This process's environment without the developer's GUARDRAILS_* variables and
+    multiprocess directory, offline, with the suite's own settings."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GUARDRAILS_")}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
+    env.update(settings or {})
+    return env
+
+
 def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class Server:
-    """A started server: `base_url`, `metrics_url`, `pid`, `log` (its stdout and stderr)."""
+    """A started server: `base_url`, `metrics_url`, `model` (the name requests use), `pid`,
+    `log` (its stdout and stderr), `started_in_s` (seconds until healthy)."""
 
     def __init__(
         self,
-        model: Path,
+        argv: Sequence[str],
         log: Path,
-        *extra: str,
-        guarded: bool = True,
-        settings: dict[str, str] | None = None,
+        *,
+        port: int,
+        model: str,
+        env: Mapping[str, str],
+        metrics_url: str | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
-        self.model = str(model)
-        self.port, self.metrics_port = free_port(), free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self.argv = list(argv)
+        self.model = model
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.metrics_url = metrics_url or f"{self.base_url}/metrics"
         self.log = log
-        serve = [str(BIN / "transformers"), "serve", self.model, "--device", "cpu"]
-        serve += ["--dtype", "float16", "--host", "127.0.0.1", "--port", str(self.port), *extra]
-        launcher = [str(BIN / "guardrails"), "run", "--config", str(PROFILE), "--"]
-        env = {key: value for key, value in os.environ.items() if not key.startswith("GUARDRAILS_")}
-        env.update(
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            # transformers serve has no /metrics: guardrails serves its own (one process).
-            GUARDRAILS_METRICS_PORT=str(self.metrics_port),
-            GUARDRAILS_REPORT_EVERY="1",  # counts reach /metrics at each call
-            GUARDRAILS_STRICT_ATTACH="true",  # a point that does not resolve fails the start
-            GUARDRAILS_LIVENESS_STEPS="8",  # the self-check judges every 8 decoding steps
-        )
-        env.update(settings or {})  # a test's own GUARDRAILS_* variables (tracing)
+        self.poisoned_sent = 0
         self._out = log.open("wb")
+        begun = time.monotonic()
         self.proc = subprocess.Popen(
-            [*launcher, *serve] if guarded else serve,
+            self.argv,
             cwd=log.parent,
-            env=env,
+            env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=self._out,
             stderr=subprocess.STDOUT,
+            start_new_session=True,
             preexec_fn=_die_with_parent,
         )
         self.pid = self.proc.pid
         try:
-            self._wait_healthy()
+            self._wait_healthy(start_timeout_s)
         except BaseException:
             self.stop()
             raise
+        self.started_in_s = time.monotonic() - begun
+        command = " ".join(Path(arg).name for arg in self.argv[:8])
+        print(f"\n[e2e] {command} ...: healthy in {self.started_in_s:.1f} s")
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
             with contextlib.suppress(OSError):
-                if self.health() == (200, {"status": "ok"}):
+                if self.health()[0] == 200:
                     return
             time.sleep(0.5)
-        raise TimeoutError(f"server not healthy after {START_TIMEOUT_S} s:\n{self.tail()}")
+        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.tail()}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def health(self) -> tuple[int, Any]:
+        """The status of GET /health and its body (JSON where it is JSON)."""
         try:
             with urllib.request.urlopen(f"{self.base_url}/health", timeout=10) as reply:
-                return reply.status, json.loads(reply.read())
+                return reply.status, _body(reply.read())
         except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
+            return exc.code, _body(exc.read())
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
@@ -117,25 +139,30 @@ class Server:
         return self.log.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
+        """SIGTERM to the process group, SIGKILL to what is left after the stop timeout."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        # The leader may be gone while its children linger: the group goes whole.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
         self._out.close()
 
 
+def _body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw or b"null")
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
 @contextlib.contextmanager
-def serving(
-    model: Path,
-    log: Path,
-    *extra: str,
-    guarded: bool = True,
-    settings: dict[str, str] | None = None,
-) -> Iterator[Server]:
-    server = Server(model, log, *extra, guarded=guarded, settings=settings)
+def running(*args: Any, **kwargs: Any) -> Iterator[Server]:
+    """A `Server` for the block, stopped at its end."""
+    server = Server(*args, **kwargs)
     try:
         yield server
     finally:

@@ -66,7 +66,7 @@ def test_the_batching_worker_stays_alive(batching: Server) -> None:
 
 
 def test_metrics_count_each_poisoned_request_once(batching: Server) -> None:
-    sent = batching.poisoned_sent  # type: ignore[attr-defined]
+    sent = batching.poisoned_sent
     assert sent == 3
     site = {"site": "sampler.logits"}
     rows = wait_for_sample(

@@ -80,7 +80,7 @@ def test_the_server_stays_up_and_metrics_count_each_poisoned_request(plain: Serv
     assert plain.health() == (200, {"status": "ok"})
     after = chat(plain, CLEAN[2], GREEDY)
     assert (after.error, after.finish_reason) == (None, "length")
-    sent = plain.poisoned_sent  # type: ignore[attr-defined]
+    sent = plain.poisoned_sent
     assert sent == 6
     site = {"site": "sampler.logits"}
     rows = wait_for_sample(

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.client import CLEAN, GREEDY, POISONED, chat, samples
-from tests.e2e.server import CB_ARGS, Server, serving
+from tests.e2e.server import Server
+from tests.e2e.transformers.serve import CB_ARGS, serving
 
 ORIGIN_EVENT = "guardrails.nonfinite_origin"
 ORIGIN = "guardrails_nonfinite_origin_total"

