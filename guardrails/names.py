@@ -67,7 +67,7 @@ KNOWN_HOOKS: Final[Mapping[str, str]] = {
 # The sites whose `abort_on` each hook acts on. A site whose `abort_on` no configured hook
 # acts on ends nothing under `guardrails run`: `guardrails check` and the launcher say so.
 HOOK_ACTS_ON: Final[Mapping[str, tuple[str, ...]]] = {
-    "vllm.end_poisoned_requests": ("sampler.logits",),
+    "vllm.end_poisoned_requests": ("sampler.logits", "eagle.verify"),
     "sglang.abort_poisoned_requests": ("sampler.logits",),
     "transformers.end_poisoned_requests": ("sampler.logits",),
 }

@@ -21,7 +21,13 @@ one of vLLM's two model runners, so one runner half runs there and the other nev
   `num_nans_in_logits` after that copy's event. A speculative step's rows (draft targets and
   bonus) are reduced per request with the batch's `cu_num_logits`.
 - V1 model runner (`vllm.v1.worker.gpu_model_runner`, `GPUModelRunner._bookkeeping_sync`):
-  the same rows are reported there with a count of at least 1. Under async scheduling the
+  the same rows are reported there with a count of at least 1. Under speculative decoding
+  nearly every step samples through `RejectionSampler.forward`, whose target logits (site
+  `eagle.verify`, the target model's rows: each request's draft positions and its bonus row)
+  are healed before `Sampler.forward` sees the bonus rows: the verify half
+  (`vllm.v1.sample.rejection_sampler`, `RejectionSampler.forward`) reduces that site's
+  `abort_on` rows per request (by the step's `bonus_logits_indices`, on the device) and the
+  runner half reports them with the step's own. Under async scheduling the
   marks ride vLLM's own device NaN counts (`num_nans`), copied with the sampled ids; under
   sync scheduling they are copied (non-blocking, pinned on CUDA) before the bookkeeping call,
   whose `_to_list` waits for an event recorded after them on the same stream, and read once it
@@ -56,11 +62,14 @@ if TYPE_CHECKING:
 __all__ = ["end_poisoned_requests"]
 
 SITE: Final = "sampler.logits"
+VERIFY_SITE: Final = "eagle.verify"
 HOOK: Final = "vllm.end_poisoned_requests"
 RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
 RUNNER_TARGET: Final = "GPUModelRunner._bookkeeping_sync"
 RUNNER_V2_MODULE: Final = "vllm.v1.worker.gpu.model_runner"
 RUNNER_V2_TARGET: Final = "GPUModelRunner.sample"
+VERIFY_MODULE: Final = "vllm.v1.sample.rejection_sampler"
+VERIFY_TARGET: Final = "RejectionSampler.forward"
 SCHEDULER_MODULE: Final = "vllm.v1.core.sched.scheduler"
 SCHEDULER_TARGET: Final = "Scheduler.update_from_output"
 # _bookkeeping_sync returns (num_nans_in_logits, num_nans, ..., req_id_to_index, ...).
@@ -80,6 +89,7 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     single-process executor: it is not watched (a worker of the multiprocess executor beats
     and never schedules)."""
     enabled = guards.is_enabled(SITE) and bool(guards.settings.site_settings(SITE).abort_flags)
+    verify = _SpecMarks()
     return [
         MethodHook(
             guards,
@@ -89,16 +99,25 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
             _RunnerV2Half(guards),
             enabled,
             expect_calls=True,
-            when="vllm>=0.33",
+            when="vllm>=0.32",
         ),
         MethodHook(
             guards,
             HOOK,
             RUNNER_MODULE,
             RUNNER_TARGET,
-            _RunnerHalf(guards),
+            _RunnerHalf(guards, verify),
             enabled,
             expect_calls=True,
+        ),
+        # Not watched: only speculative steps call it.
+        MethodHook(
+            guards,
+            HOOK,
+            VERIFY_MODULE,
+            VERIFY_TARGET,
+            _VerifyHalf(guards, verify),
+            enabled and _verify_aborts(guards),
         ),
         MethodHook(
             guards, HOOK, SCHEDULER_MODULE, SCHEDULER_TARGET, _SchedulerHalf(guards), enabled
@@ -106,8 +125,18 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     ]
 
 
+def _verify_aborts(guards: Guardrails) -> bool:
+    return guards.is_enabled(VERIFY_SITE) and bool(
+        guards.settings.site_settings(VERIFY_SITE).abort_flags
+    )
+
+
 def _abort_marks(
-    guards: Guardrails, flags: torch.Tensor, *, checked_by_vllm: bool = False
+    guards: Guardrails,
+    flags: torch.Tensor,
+    *,
+    checked_by_vllm: bool = False,
+    site: str = SITE,
 ) -> torch.Tensor:
     """Rows whose flags intersect the site's abort_on, as a new bool tensor (enqueued now:
     the flags buffer is rewritten by the site's next call).
@@ -117,7 +146,7 @@ def _abort_marks(
     only rows that held NaN are marked, so vLLM raises where its own check would have found
     NaN had guardrails not healed it first, never for a row that was all -inf (a grammar
     over-mask holds no NaN): in that mode such a row is healed and counted, not ended."""
-    marks = flags.bitwise_and(guards.settings.site_settings(SITE).abort_flags).ne(0)
+    marks = flags.bitwise_and(guards.settings.site_settings(site).abort_flags).ne(0)
     if checked_by_vllm and _vllm_raises_on_nans():
         marks.logical_and_(flags.bitwise_and(_NAN).ne(0))
     return marks
@@ -210,11 +239,68 @@ class _RunnerV2Half:
         return torch.searchsorted(cu[1:], rows, right=True)
 
 
+class _SpecMarks(threading.local):
+    """Per model-runner thread: the latest speculative step's per-request abort marks, left
+    by the verify half for the runner half of the same step (same thread, same stream):
+    every abort row, and those whose rows held NaN (what vLLM's own check would see)."""
+
+    def __init__(self) -> None:
+        self.marks: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def take(self, *, checked_by_vllm: bool) -> torch.Tensor | None:
+        marks, self.marks = self.marks, None
+        if marks is None:
+            return None
+        return marks[1] if checked_by_vllm and _vllm_raises_on_nans() else marks[0]
+
+
+class _VerifyHalf:
+    """V1 `RejectionSampler.forward`: this speculative step's `eagle.verify` abort rows (the
+    target model's logits: each request's draft positions, then its bonus row), one mark per
+    request, for the runner half to report with the step's own."""
+
+    def __init__(self, guards: Guardrails, spec: _SpecMarks) -> None:
+        self._guards = guards
+        self._spec = spec
+        self._failed = OnceLog(HOOK, VERIFY_TARGET, guards)
+
+    def __call__(self, wrapped: Any, sampler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        try:
+            found = self._guards.site(VERIFY_SITE).recent()
+            before = -1 if found is None else found[0]
+        except Exception as exc:
+            self._failed(exc)
+            return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        try:
+            self._mark(before, *args, **kwargs)
+        except Exception as exc:
+            self._failed(exc)
+        return result
+
+    def _mark(self, before: int, metadata: Any, *rest: Any, **kwargs: Any) -> None:
+        found = self._guards.site(VERIFY_SITE).recent()
+        if found is None or found[0] == before:
+            return  # the guard did not run inside this call
+        flags = found[1]
+        abort = _abort_marks(self._guards, flags, site=VERIFY_SITE)
+        # Request i's rows end at its bonus row: the owner of row r is the first request
+        # whose bonus index is >= r. On the device, no host read.
+        bonus = metadata.bonus_logits_indices.to(device=flags.device, dtype=torch.int64)
+        rows = torch.arange(flags.shape[0], device=flags.device, dtype=torch.int64)
+        owner = torch.searchsorted(bonus, rows).clamp_(max=bonus.shape[0] - 1)
+        both = torch.stack([abort, abort.logical_and(flags.bitwise_and(_NAN).ne(0))])
+        per_request = torch.zeros(2, bonus.shape[0], dtype=torch.int32, device=flags.device)
+        per_request.scatter_reduce_(1, owner.expand(2, -1), both.to(torch.int32), "amax")
+        self._spec.marks = (per_request[0].bool(), per_request[1].bool())
+
+
 class _RunnerHalf:
     """V1 model runner worker side: report this step's abort rows in its NaN counts."""
 
-    def __init__(self, guards: Guardrails) -> None:
+    def __init__(self, guards: Guardrails, spec: _SpecMarks | None = None) -> None:
         self._guards = guards
+        self._spec = spec or _SpecMarks()
         self._failed = OnceLog(HOOK, RUNNER_TARGET, guards)
         self._local = threading.local()  # per model-runner thread: calls seen, host mirror
 
@@ -238,16 +324,30 @@ class _RunnerHalf:
         mask = self._guards.settings.site_settings(SITE).abort_flags
         local = self._local
         found = site.recent() if site.enabled and mask else None
+        # Async scheduling runs the next step's sampler before this step's output is read.
+        checked = bool(getattr(runner, "use_async_scheduling", False))
+        verified = self._spec.take(checked_by_vllm=checked)  # a speculative step's, per request
         if found is None or found[0] == getattr(local, "seen", -1):
             return None, None  # no sampler call since the last step (pooling, a dummy run)
         local.seen, flags = found
-        # Async scheduling runs the next step's sampler before this step's output is read.
-        if getattr(runner, "use_async_scheduling", False):
-            return _abort_marks(self._guards, flags, checked_by_vllm=True), None
-        marks = _abort_marks(self._guards, flags)
+        marks = _abort_marks(self._guards, flags, checked_by_vllm=checked)
+        marks = self._with_verified(marks, verified)
+        if checked:
+            return marks, None
         mirror = self._mirror(marks)
         mirror.copy_(marks, non_blocking=True)
         return marks, mirror
+
+    @staticmethod
+    def _with_verified(marks: torch.Tensor, verified: torch.Tensor | None) -> torch.Tensor:
+        """The sampler's (bonus) rows' marks or'd with the same requests' verify marks."""
+        if verified is None:
+            return marks
+        if verified.shape != marks.shape:
+            raise ValueError(
+                f"{verified.shape[0]} speculative requests for {marks.shape[0]} sampler rows"
+            )
+        return marks.logical_or(verified)
 
     def _mirror(self, marks: torch.Tensor) -> torch.Tensor:
         rows = marks.shape[0]
