@@ -103,6 +103,7 @@ def hooked() -> Iterator[object]:
             assert {h.target: h.state for h in handles} == {
                 "GPUModelRunner.sample": "pending",
                 "GPUModelRunner._bookkeeping_sync": "applied",
+                "RejectionSampler.forward": "applied",
                 "Scheduler.update_from_output": "applied",
             }
             yield guards
@@ -262,3 +263,65 @@ def test_a_failure_of_the_hook_leaves_the_engine_call_as_if_unhooked(  # type: i
     assert [got[r].finish_reason for r in REQS] == [None, None, None]
     assert "guardrails.hook_error" in caplog.text
     assert "a bug in guardrails" in caplog.text
+
+
+def spec_step(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """One speculative decode step through vLLM's real RejectionSampler.forward (guarded by
+    the profile's eagle.verify site when patched), as GPUModelRunner lays out three requests
+    with 2, 1 and 2 drafts: rows [r0 d1, r0 d2, r0 bonus, r1 d1, r1 bonus, r2 d1, r2 d2,
+    r2 bonus]. r1's target rows are all NaN; the acceptance kernel (Triton) is the PyTorch
+    stand-in of test_rejection_sampler."""
+    from vllm.v1.sample import rejection_sampler as rs
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from .test_rejection_sampler import greedy_acceptance_stand_in
+
+    sampler = rs.RejectionSampler(Sampler())  # registers the real kernels' warm-ups
+    monkeypatch.setattr(rs, "_rejection_greedy_sample", greedy_acceptance_stand_in)
+    i32 = torch.int32
+    spec = SpecDecodeMetadata(
+        draft_token_ids=torch.tensor([11, 12, 21, 31, 32], dtype=i32),
+        num_draft_tokens=[2, 1, 2],
+        cu_num_draft_tokens=torch.tensor([2, 3, 5], dtype=i32),
+        cu_num_sampled_tokens=torch.tensor([3, 5, 8], dtype=i32),
+        target_logits_indices=torch.tensor([0, 1, 3, 5, 6], dtype=i32),
+        bonus_logits_indices=torch.tensor([2, 4, 7], dtype=i32),
+        logits_indices=torch.arange(8, dtype=i32),
+    )
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(6))
+    logits[3:5] = float("nan")
+    out = sampler(spec, None, logits, metadata("greedy", rows=3))
+    return out.sampled_token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_under_speculative_decoding_a_request_whose_target_rows_had_no_valid_token_ends(  # type: ignore[no-untyped-def]
+    outcome, scheduler, monkeypatch, async_scheduling
+) -> None:
+    from vllm.v1.engine import FinishReason
+
+    step = scheduler.schedule()
+    with bookkeeping_stand_in(monkeypatch, None) as runner_cls, hooked() as guards:
+        sampled = spec_step(monkeypatch)
+        runner = SimpleNamespace(use_async_scheduling=async_scheduling)
+        result = bookkeeping(runner_cls, runner)(
+            step, SimpleNamespace(sampled_token_ids=sampled), None, None, 3
+        )
+        out = runner_output(result, async_scheduling=async_scheduling)
+        got = outputs_by_id(scheduler.update_from_output(step, out))
+        # Healed at eagle.verify, before the bonus rows reach Sampler.forward.
+        assert guards.count("eagle.verify", "rows_no_valid_token") == 2
+        assert guards.count("sampler.logits", "rows_no_valid_token") == 0
+    assert got[POISONED].finish_reason == FinishReason.ERROR
+    assert got[POISONED].new_token_ids == []
+    assert [got[r].finish_reason for r in ("r0", "r2")] == [None, None]
+    assert got["r0"].new_token_ids != []
+    outcome(
+        component="RejectionSampler.forward + Scheduler.update_from_output",
+        dtype="float32",
+        mode=f"greedy spec decode, {'async' if async_scheduling else 'sync'} scheduling",
+        fault="all-NaN target rows of one request",
+        unguarded="(see test_rejection_sampler)",
+        guarded="no token, finish_reason=error; its neighbours go on",
+    )
