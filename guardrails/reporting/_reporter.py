@@ -151,6 +151,7 @@ class Reporter:
             registry, settings.metrics.labels, directory=settings.metrics.dir
         )
         self._rank: str | None = None
+        self._rank_settled = False  # see _resolve_rank
         self._faults = ReportingErrors(self._metrics, self._logger)
         self._closed = False
         if settings.reporting.log_format == "json":
@@ -280,12 +281,7 @@ class Reporter:
         self._open_metrics(outbox)
         with self._lock:
             report = self._report_for(site)
-            rank = self._resolve_rank(outbox)
-            family = self._metrics
-            series = report.series
-            for i, kind in enumerate(site.slots):
-                series.children[i] = self._child_for(kind, site, rank, family, outbox)
-            series.calls_child = self._series(family.guard_calls, outbox, site=site.name, rank=rank)
+            self._make_series(report, self._resolve_rank(outbox), outbox)
         self._deliver(outbox)
 
     def _open_metrics(self, outbox: list[_Event]) -> None:
@@ -381,6 +377,8 @@ class Reporter:
                 return  # re-entered on this thread mid-report: that report covers it
             self._reporting = True
             try:
+                if self._sites:
+                    self._resolve_rank(outbox)  # a process group started since: its rank
                 self._report(exact=exact, outbox=outbox)
             except Exception as exc:
                 self._fault("poll", exc, outbox)
@@ -407,18 +405,39 @@ class Reporter:
         return report
 
     def _resolve_rank(self, outbox: list[_Event]) -> str:
-        # Read when the first site is made, not at construction: engines usually build their
-        # sites after torch.distributed is initialised, but may build guardrails before.
+        """The `rank` label; called with the lock held.
+
+        Read when the first site is made, not at construction. Where nothing says the rank
+        then (no process group yet, no RANK variable) it is 0 until a process group is
+        initialised: engines' workers (vLLM's, SGLang's tensor-parallel ranks) make their
+        sites before they start torch.distributed. At the first report after it starts, the
+        sites' series move to the real rank (what the old ones counted stays there: every
+        sum stays exact)."""
+        if self._rank is not None and (self._rank_settled or self._still_unranked()):
+            return self._rank
         if self._rank is None:
-            self._rank = metrics.resolve_rank()
-            errors = {
-                stage: self._series(
-                    self._metrics.reporting_errors, outbox, stage=stage, rank=self._rank
-                )
-                for stage in metrics.ERROR_STAGES
-            }
-            self._faults.open(self._rank, errors)
+            self._rank, self._rank_settled = metrics.resolve_rank_source()
+        else:
+            self._rank, self._rank_settled = metrics.distributed_rank() or "0", True
+            for report in self._sites.values():
+                self._make_series(report, self._rank, outbox)
+        errors = {
+            stage: self._series(
+                self._metrics.reporting_errors, outbox, stage=stage, rank=self._rank
+            )
+            for stage in metrics.ERROR_STAGES
+        }
+        self._faults.open(self._rank, errors)
         return self._rank
+
+    def _still_unranked(self) -> bool:
+        return metrics.distributed_rank() is None
+
+    def _make_series(self, report: _SiteReport, rank: str, outbox: list[_Event]) -> None:
+        site, series, family = report.site, report.series, self._metrics
+        for i, kind in enumerate(site.slots):
+            series.children[i] = self._child_for(kind, site, rank, family, outbox)
+        series.calls_child = self._series(family.guard_calls, outbox, site=site.name, rank=rank)
 
     def _child_for(
         self,

@@ -74,8 +74,10 @@ __all__ = [
     "FamilySpec",
     "GuardMetrics",
     "Series",
+    "distributed_rank",
     "guard_metrics",
     "resolve_rank",
+    "resolve_rank_source",
 ]
 
 # Where each count of a site's buffer goes: (family, label value). Out-of-vocab ids are
@@ -431,17 +433,34 @@ def guard_metrics(
 def resolve_rank(environ: Mapping[str, str] | None = None) -> str:
     """The `rank` label: torch.distributed's rank when initialised, else RANK, else
     LOCAL_RANK, else 0. Malformed variables are skipped: they belong to the launcher."""
+    return resolve_rank_source(environ)[0]
+
+
+def resolve_rank_source(environ: Mapping[str, str] | None = None) -> tuple[str, bool]:
+    """`resolve_rank`'s answer, and whether it is settled: False for the fallback 0, which a
+    process group initialised later replaces (`distributed_rank`)."""
+    rank = distributed_rank()
+    if rank is not None:
+        return rank, True
+    env = os.environ if environ is None else environ
+    for key in ("RANK", "LOCAL_RANK"):
+        raw = env.get(key, "").strip()
+        # ASCII only: str.isdigit() also accepts digits int() refuses, such as "²".
+        if raw.isascii() and raw.isdigit():
+            return str(int(raw)), True
+    return "0", False
+
+
+def distributed_rank() -> str | None:
+    """torch.distributed's global rank once its default process group is initialised, else
+    None. Engines start it after guardrails has made its sites (vLLM's and SGLang's workers
+    import their samplers first), and set no RANK variable: their workers' ranks are known
+    only from here. Cheap: no environment read, one flag test while uninitialised."""
     try:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             return str(dist.get_rank())
     except (ImportError, RuntimeError, ValueError):
-        pass  # a half-initialised process group: fall back to the launcher's variables
-    env = os.environ if environ is None else environ
-    for key in ("RANK", "LOCAL_RANK"):
-        raw = env.get(key, "").strip()
-        # ASCII only: str.isdigit() also accepts digits int() refuses, such as "²".
-        if raw.isascii() and raw.isdigit():
-            return str(int(raw))
-    return "0"
+        pass  # a half-initialised process group: not yet
+    return None

@@ -61,6 +61,7 @@ class ErrorRecorder:
         self._labels = labels or {}
         self._logger = logger
         self._rank: str | None = None
+        self._rank_settled = False
         self._series: dict[tuple[str, ...], Any] = {}
         self._logged: dict[tuple[str, ...], object] = {}
 
@@ -71,12 +72,13 @@ class ErrorRecorder:
 
     @property
     def rank(self) -> str:
-        """The `rank` label, read once (`guardrails.reporting.metrics.resolve_rank`), or at
-        each use with `REREAD_RANK`."""
-        if self._rank is None or self.REREAD_RANK:
-            from guardrails.reporting.metrics import resolve_rank
+        """The `rank` label (`guardrails.reporting.metrics.resolve_rank`), read once it is
+        settled (a process group or a launcher variable says it), or at each use with
+        `REREAD_RANK`."""
+        if self._rank is None or self.REREAD_RANK or not self._rank_settled:
+            from guardrails.reporting.metrics import resolve_rank_source
 
-            self._rank = resolve_rank()
+            self._rank, self._rank_settled = resolve_rank_source()
         return self._rank
 
     def prepare(self, *key: str) -> None:
