@@ -371,17 +371,26 @@ class Guardrails:
         """What the liveness self-check watches now (see `guardrails.attach.liveness`)."""
         settings = self.settings
         found: dict[str, tuple[list[str], list[str]]] = {}
+        excused: set[str] = set()  # sites with an applied point that only some steps call
         for handle in self.patches():
             name = handle.point.site
             if handle.state in ("inapplicable", "disabled", "removed"):
                 continue
             if not settings.is_site_enabled(name) or not settings.site_settings(name).expect_calls:
                 continue
+            if not handle.point.expect_calls:
+                if handle.state == "applied":
+                    excused.add(name)
+                continue
             targets, states = found.setdefault(name, ([], []))
             targets.append(str(handle.point.target))
             states.append(handle.state)
         out = []
         for name, (targets, states) in found.items():
+            if name in excused and "applied" not in states:
+                # What guards it here runs on some steps only; the points that should run at
+                # every step are another runner's, never imported in this process.
+                continue
             site = self._sites.get(name)
             out.append(
                 Watched(name, 0 if site is None else site.calls, tuple(targets), tuple(states))

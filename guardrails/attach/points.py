@@ -31,6 +31,7 @@ class AttachPoint:
     vocab_size_from: Ref | None = None
     when: str | None = None  # a requirement such as "sglang>=0.5.14" (see install)
     origin: str = "attach target"
+    expect_calls: bool = True  # False: only some engine steps call it (see _watched)
 
     @classmethod
     def from_settings(cls, entry: AttachSettings, origin: str = "attach target") -> AttachPoint:
@@ -45,6 +46,7 @@ class AttachPoint:
             else parse_ref(entry.vocab_size_from),
             when=entry.when,
             origin=origin,
+            expect_calls=entry.expect_calls,
         )
 
     @classmethod

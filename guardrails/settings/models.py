@@ -212,6 +212,16 @@ class AttachSettings(_Frozen):
             "apply only when the installed distribution matches (else: inapplicable)",
         ),
     ] = None
+    # A target that only some engine steps call (V2's Sampler.__call__: not on speculative
+    # steps, which sample in RejectionSampler.__call__) must not make its site look silent.
+    expect_calls: Annotated[
+        Switch,
+        setting(
+            _BOOL,
+            "false: a target that only some engine steps call; its site is watched by the "
+            "liveness self-check only through its other points",
+        ),
+    ] = True
 
     @model_validator(mode="after")
     def _fields_agree(self) -> AttachSettings:

@@ -341,3 +341,57 @@ def test_a_hooks_expected_halves_are_alternatives_and_each_group_is_watched(
     assert gauge(guards, "test.hook") == 0.0
     assert gauge(guards, "test.hook:sched") == 1.0
     guards.close()
+
+
+def _spec_and_plain(name: str, excused: str) -> list[dict[str, Any]]:
+    """sampler.logits as V2 attaches it: a point on the target every step calls in this
+    process, and one on `excused`, which only some steps call (`expect_calls = false`),
+    beside another runner's point whose module is never imported here."""
+    return [
+        {"site": "sampler.logits", "target": "other_runner_never_imported:Sampler.forward"},
+        {
+            "site": "sampler.logits",
+            "target": f"{name}:{excused}.forward",
+            "tensor": "arg:logits",
+            "expect_calls": False,
+        },
+    ]
+
+
+def test_a_site_whose_applied_point_only_some_steps_call_is_not_reported(
+    engine: ModuleType,
+) -> None:
+    # V2's sampler.token_ids under speculative decoding: its one applied point (on
+    # Sampler.__call__) sees no call on speculative steps; the other runner's is pending.
+    guards = guarded(engine, attach=_spec_and_plain(engine.__name__, "OldSampler"))
+    with capture_logs() as logs:
+        steps(engine, 16)
+    assert not_called(logs) == []
+    assert gauge(guards, "sampler.logits") is None
+    guards.close()
+
+
+def test_an_excused_point_leaves_the_sites_other_applied_points_watched(
+    engine: ModuleType,
+) -> None:
+    name = engine.__name__
+    attach = [
+        *_spec_and_plain(name, "Sampler"),
+        {"site": "sampler.logits", "target": f"{name}:OldSampler.forward", "tensor": "arg:logits"},
+    ]
+    guards = guarded(engine, attach=attach)
+    with capture_logs() as logs:
+        steps(engine, 8, sampler=engine.Sampler())  # the excused point is called: not silent
+        assert not_called(logs) == []
+        assert gauge(guards, "sampler.logits") == 0.0
+        # Beats with no call at all (the window of beats 9-16 still saw step 8's call, made
+        # after its beat): the expecting point makes the site silent.
+        for _ in range(16):
+            engine.Model().logits(torch.zeros(1, 4))
+    [event] = not_called(logs)
+    assert event["targets"] == [
+        "other_runner_never_imported:Sampler.forward",
+        f"{name}:OldSampler.forward",
+    ]
+    assert gauge(guards, "sampler.logits") == 1.0
+    guards.close()

@@ -99,9 +99,13 @@ def test_the_shipped_profile_on_v2s_path_is_not_reported(outcome, v2) -> None:  
     events, registry, counts = run_steps(v2, PROFILE)
     assert counts[("sampler.logits", "calls")] == STEPS + 1
     assert events == []
-    for site in ("sampler.logits", "sampler.token_ids", "vllm.end_poisoned_requests"):
+    assert counts[("sampler.token_ids", "calls")] == STEPS + 1
+    for site in ("sampler.logits", "vllm.end_poisoned_requests"):
         assert gauge(registry, site) == 0.0
     assert gauge(registry, "eagle.verify") is None  # not expected: speculative decoding is off
+    # Not watched under V2 (its point is expect_calls = false: speculative steps never call
+    # it); sampler.logits, on the same Sampler.__call__, is.
+    assert gauge(registry, "sampler.token_ids") is None
     outcome(
         component="liveness (heartbeat LogitsProcessor.forward)",
         dtype="float32",
@@ -109,4 +113,45 @@ def test_the_shipped_profile_on_v2s_path_is_not_reported(outcome, v2) -> None:  
         fault="shipped profile",
         unguarded="-",
         guarded="no guardrails.site_not_called, gauge 0 for every watched site and the hook",
+    )
+
+
+def test_the_shipped_profile_under_v2_speculative_decoding_is_not_reported(  # type: ignore[no-untyped-def]
+    outcome, tmp_path
+) -> None:
+    """Speculative steps sample in RejectionSampler.__call__ only: sampler.token_ids' V2 point
+    (on Sampler.__call__) sees only the draft-free prefill. It is marked `expect_calls = false`
+    in the profile, so a healthy speculative server is not reported silent (it was, at every
+    window: issue 25)."""
+    from .test_speculative import DRAFTS, drafting, targets
+
+    registry = CollectorRegistry()
+    spec_steps = 2 * STEPS
+    with (
+        engine(tmp_path, speculative_tokens=len(DRAFTS)) as v2,
+        guarded(PROFILE, registry, liveness_steps=STEPS) as guards,
+        capture_logs() as logs,
+    ):
+        handles = guards.install_hooks()
+        try:
+            drafting(v2, max_tokens=64)  # long enough for every speculative step
+            for _ in range(spec_steps):
+                step = v2.step({"r0": targets("clean"), "r1": targets("clean")})
+                assert step.batch.num_draft_tokens == 2 * len(DRAFTS)
+            counts = guards.counts()
+        finally:
+            for handle in handles:
+                handle.remove()
+    assert counts[("sampler.token_ids", "calls")] == 1  # the prefill only
+    assert counts[("sampler.logits", "calls")] == 1 + spec_steps
+    assert [e for e in logs if e["event"] == SITE_NOT_CALLED_EVENT] == []
+    assert gauge(registry, "sampler.logits") == 0.0
+    assert gauge(registry, "sampler.token_ids") is None  # not watched under V2
+    outcome(
+        component="liveness (heartbeat LogitsProcessor.forward)",
+        dtype="float32",
+        mode=f"V2 runner, n-gram spec decode, liveness_steps={STEPS}",
+        fault="shipped profile, healthy server",
+        unguarded="-",
+        guarded="no guardrails.site_not_called (sampler.token_ids: only draft-free steps)",
     )

@@ -44,11 +44,12 @@ def targets(fault: str) -> torch.Tensor:
     return rows
 
 
-def drafting(v2: Engine) -> dict[str, Any]:
-    """Two requests prefilled (a draft-free step: Sampler.__call__), drafts proposed."""
+def drafting(v2: Engine, **params: Any) -> dict[str, Any]:
+    """Two requests prefilled (a draft-free step: Sampler.__call__), drafts proposed;
+    `params`: their other sampling parameters."""
     DrafterStandIn(v2.runner, DRAFTS)
     for req_id in ("r0", "r1"):
-        v2.add(req_id, PROMPT, temperature=0.0)
+        v2.add(req_id, PROMPT, temperature=0.0, **params)
     first = one_hot_rows(DRAFTS[0])
     return v2.step({"r0": first, "r1": first}).by_id()
 
