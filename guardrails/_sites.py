@@ -197,11 +197,14 @@ class _SiteBase:
         # dtype and shape for log events, also those flushed before the first tick.
         self.last_dtype = tensor.dtype
         self.last_shape = tuple(tensor.shape)
-        if not due or self._reporter is None:
+        if self._reporter is None:
             return
         if state.capturing():
             # Inside a CUDA-graph capture a copy would be recorded into the graph and an event
             # query may invalidate the capture: the next tick outside it reports instead.
+            return
+        self._reporter.sampling()  # a no-op once the metrics are open
+        if not due:
             return
         state.counts.request()
         self._reporter.tick()

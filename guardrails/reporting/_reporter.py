@@ -276,17 +276,34 @@ class Reporter:
             getattr(self._logger, level)(event, **fields)
 
     def register(self, site: ReportedSite) -> None:
-        """A site was created: its series exist at 0 from now on."""
+        """A site was created: its series exist at 0 from now on (in the registry once the
+        metrics open: at the first guarded call, see `sampling`)."""
         outbox: list[_Event] = []
-        self._open_metrics(outbox)
+        if self._settings.metrics.port:
+            # Asked to serve them: the port serves from the start.
+            self._open_metrics(outbox)
         with self._lock:
             report = self._report_for(site)
             self._make_series(report, self._resolve_rank(outbox), outbox)
         self._deliver(outbox)
 
+    def sampling(self) -> None:
+        """A site was called (its first call, then with each tick): the engine samples, so
+        its start-up, and with it the host's own prometheus-client choice, is over; the
+        metrics may open now even where the host never imports prometheus_client.
+
+        Not when a site is made: engines make sites in processes that never sample, at
+        import (SGLang's HTTP server imports its sampler module before `launch_server`
+        sets PROMETHEUS_MULTIPROC_DIR; importing prometheus-client there first kept that
+        process's own series out of SGLang's /metrics)."""
+        if self._metrics.binding.is_open or self._closed:
+            return
+        outbox: list[_Event] = []
+        with self._lock:
+            self._open_metrics(outbox)
+        self._deliver(outbox)
+
     def _open_metrics(self, outbox: list[_Event]) -> None:
-        # The first site: the engine samples, its start-up is over, so the metrics may open
-        # now even where the host never imports prometheus_client (see metrics).
         binding = self._metrics.binding
         try:
             binding.open()

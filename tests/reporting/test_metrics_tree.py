@@ -136,6 +136,47 @@ def test_a_host_choosing_multiprocess_mode_after_start_gets_it(tmp_path: Path) -
     assert nan_by_rank(result["scrape"]) == {"0": 3.0}
 
 
+# SGLang's HTTP server process: the sampler module is imported (an attach point applies and
+# makes its site) before launch_server sets PROMETHEUS_MULTIPROC_DIR and imports
+# prometheus_client; that process never samples. Making the site must not import
+# prometheus_client (it fixed single-process mode, and the host's own counters then never
+# reached its multiprocess /metrics); the first guarded call may.
+SITE_MADE_BEFORE_THE_HOST_CHOSE = r"""
+import json, math, os, sys, tempfile
+from guardrails.integrations.launcher import installed
+import torch
+site = installed().site("sampler.logits")  # made, never called (yet)
+made = "prometheus_client" in sys.modules
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp()
+from prometheus_client import CollectorRegistry, Counter, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
+Counter("host_requests", "The host's counter.").inc(2)
+x = torch.zeros(1, 8); x[0, :3] = math.nan
+site(x)
+served = CollectorRegistry(); MultiProcessCollector(served)
+print(json.dumps({"made": made, "multiprocess": values.ValueClass._multiprocess,
+                  "scrape": generate_latest(served).decode()}))
+"""
+
+
+def test_a_site_made_before_the_host_chooses_its_mode_leaves_the_choice_to_it() -> None:
+    done = subprocess.run(
+        [*RUN, sys.executable, "-c", SITE_MADE_BEFORE_THE_HOST_CHOSE],
+        env=child_env(PYTHONPATH=str(ROOT), GUARDRAILS_REPORT_EVERY="1"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["made"] is False
+    assert result["multiprocess"] is True
+    assert samples(result["scrape"], "host_requests_total") == {(): 2.0}
+    assert nan_by_rank(result["scrape"]) == {"0": 3.0}
+
+
 def test_the_launcher_removes_the_trees_directory_it_made() -> None:
     code = "import os; print(os.environ['GUARDRAILS_METRICS_DIR'])"
     done = subprocess.run(
