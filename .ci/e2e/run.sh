@@ -29,7 +29,7 @@ build_transformers() {
 }
 
 engines=("$@")
-[ ${#engines[@]} -gt 0 ] || engines=(transformers vllm)
+[ ${#engines[@]} -gt 0 ] || engines=(transformers vllm sglang)
 status=0
 for engine in "${engines[@]}"; do
     case "$engine" in
