@@ -95,51 +95,48 @@ def stream_completion(
 ) -> Outcome:
     """/v1/completions, streamed."""
     _count(server, text)
-    outcome = outcome or Outcome()
-    try:
-        chunks = client(server).completions.create(
+    return _drain(
+        lambda: client(server).completions.create(
             model=server.model,
             prompt=text,
             max_tokens=max_tokens,
             temperature=temperature,
             stream=True,
-        )
-        for chunk in chunks:
-            if outcome.error is not None:
-                outcome.chunks_after_error += 1
-            for choice in chunk.choices:
-                if choice.text:
-                    outcome.text += choice.text
-                    outcome.content_chunks += 1
-                    outcome.started.set()
-                if choice.finish_reason is not None:
-                    outcome.finish_reason = choice.finish_reason
-    except openai.APIError as exc:
-        outcome.error = exc
-    outcome.started.set()
-    outcome.ended_at = time.monotonic()
-    return outcome
+        ),
+        lambda choice: choice.text,
+        outcome,
+    )
 
 
 def stream(
     server: Server, text: str, temperature: float, max_tokens: int = 12, outcome: Any = None
 ) -> Outcome:
+    """/v1/chat/completions, streamed."""
     _count(server, text)
-    outcome = outcome or Outcome()
-    try:
-        chunks = client(server).chat.completions.create(
+    return _drain(
+        lambda: client(server).chat.completions.create(
             model=server.model,
             messages=[{"role": "user", "content": text}],
             max_tokens=max_tokens,
             temperature=temperature,
             stream=True,
-        )
-        for chunk in chunks:
+        ),
+        lambda choice: choice.delta.content,
+        outcome,
+    )
+
+
+def _drain(open_stream: Any, content: Any, outcome: Outcome | None) -> Outcome:
+    """Read a stream into `outcome`: its text (`content(choice)` of each chunk's choices),
+    finish reason, chunks, and the error that ended it, if any."""
+    outcome = outcome or Outcome()
+    try:
+        for chunk in open_stream():
             if outcome.error is not None:
                 outcome.chunks_after_error += 1
             for choice in chunk.choices:
-                if choice.delta.content:
-                    outcome.text += choice.delta.content
+                if piece := content(choice):
+                    outcome.text += piece
                     outcome.content_chunks += 1
                     outcome.started.set()
                 if choice.finish_reason is not None:

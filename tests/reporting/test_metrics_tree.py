@@ -118,9 +118,10 @@ print(json.dumps({"start": start, "multiprocess": values.ValueClass._multiproces
 """
 
 
-def test_a_host_choosing_multiprocess_mode_after_start_gets_it(tmp_path: Path) -> None:
+def launched(code: str) -> dict[str, Any]:
+    """The JSON that `code` prints last, run under `guardrails run` (counts at every call)."""
     done = subprocess.run(
-        [*RUN, sys.executable, "-c", HOST_CHOOSES_LATE],
+        [*RUN, sys.executable, "-c", code],
         env=child_env(PYTHONPATH=str(ROOT), GUARDRAILS_REPORT_EVERY="1"),
         cwd=ROOT,
         capture_output=True,
@@ -129,7 +130,12 @@ def test_a_host_choosing_multiprocess_mode_after_start_gets_it(tmp_path: Path) -
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_host_choosing_multiprocess_mode_after_start_gets_it(tmp_path: Path) -> None:
+    result = launched(HOST_CHOOSES_LATE)
     assert result["start"] is False
     assert result["multiprocess"] is True
     assert samples(result["scrape"], "host_tokens_total") == {(): 5.0}
@@ -160,17 +166,7 @@ print(json.dumps({"made": made, "multiprocess": values.ValueClass._multiprocess,
 
 
 def test_a_site_made_before_the_host_chooses_its_mode_leaves_the_choice_to_it() -> None:
-    done = subprocess.run(
-        [*RUN, sys.executable, "-c", SITE_MADE_BEFORE_THE_HOST_CHOSE],
-        env=child_env(PYTHONPATH=str(ROOT), GUARDRAILS_REPORT_EVERY="1"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = launched(SITE_MADE_BEFORE_THE_HOST_CHOSE)
     assert result["made"] is False
     assert result["multiprocess"] is True
     assert samples(result["scrape"], "host_requests_total") == {(): 2.0}
