@@ -48,6 +48,7 @@ def hooked() -> Iterator[Guardrails]:
             assert {h.target: h.state for h in handles} == {
                 "GPUModelRunner.sample": "applied",
                 "GPUModelRunner._bookkeeping_sync": "pending",
+                "RejectionSampler.forward": "pending",  # V1's speculative half
                 "Scheduler.update_from_output": "applied",
             }
             yield guards

