@@ -27,7 +27,7 @@ from tests.e2e.client import (
 )
 from tests.e2e.server import Server
 
-LONG = 24  # clean requests still decode while the poisoned ones are prefilled
+LONG = 64  # clean requests still decode while the poisoned ones are prefilled and ended
 
 
 def test_clean_requests_batched_with_poisoned_ones_return_their_text_alone(
