@@ -430,14 +430,17 @@ class Reporter:
         sites before they start torch.distributed. At the first report after it starts, the
         sites' series move to the real rank (what the old ones counted stays there: every
         sum stays exact)."""
-        if self._rank is not None and (self._rank_settled or self._still_unranked()):
-            return self._rank
         if self._rank is None:
             self._rank, self._rank_settled = metrics.resolve_rank_source()
+        elif self._rank_settled:
+            return self._rank
         else:
-            self._rank, self._rank_settled = metrics.distributed_rank() or "0", True
+            started = metrics.distributed_rank()
+            if started is None:
+                return self._rank
+            self._rank, self._rank_settled = started, True
             for report in self._sites.values():
-                self._make_series(report, self._rank, outbox)
+                self._make_series(report, started, outbox)
         errors = {
             stage: self._series(
                 self._metrics.reporting_errors, outbox, stage=stage, rank=self._rank
@@ -446,9 +449,6 @@ class Reporter:
         }
         self._faults.open(self._rank, errors)
         return self._rank
-
-    def _still_unranked(self) -> bool:
-        return metrics.distributed_rank() is None
 
     def _make_series(self, report: _SiteReport, rank: str, outbox: list[_Event]) -> None:
         site, series, family = report.site, report.series, self._metrics
