@@ -38,6 +38,17 @@ one of vLLM's two model runners, so one runner half runs there and the other nev
   prompt recomputes instead of reading the poisoned KV back), and it ends as FINISHED_ERROR;
   its output carries finish_reason ERROR and the count, which vLLM's own stats mark as a
   corrupted request.
+- KV zeroing (the scheduler's `Scheduler.schedule`, the worker's
+  `Worker.initialize_from_config`): the blocks the poisoned request's end freed are zeroed
+  before any request can read them. vLLM's free queue hands out hashless blocks first, and
+  attention reads a block's slots past a shorter request's length (probability 0 x NaN = NaN),
+  so its NaN would reach the very next request. vLLM's own machinery does the zeroing: the
+  freed block ids ride the next step's `SchedulerOutput.new_block_ids_to_zero`, which every
+  worker zeroes (`_zero_block_ids` / `kv_block_zeroer`) before that step's forward pass. vLLM
+  fills that list only where its cache needs zeroing for every new block (Mamba, mixed
+  precision) and builds the GPU runners' zeroer only then: the worker half builds it after the
+  KV cache is allocated where it is missing (the CPU runner zeroes without one). Clean
+  requests' blocks are never zeroed.
 
 No host sync is added: the marks are new device tensors made from the flags before the next
 step can reuse the flags buffer, and they reach the host with copies vLLM already waits for.
@@ -49,6 +60,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -72,6 +84,9 @@ VERIFY_MODULE: Final = "vllm.v1.sample.rejection_sampler"
 VERIFY_TARGET: Final = "RejectionSampler.forward"
 SCHEDULER_MODULE: Final = "vllm.v1.core.sched.scheduler"
 SCHEDULER_TARGET: Final = "Scheduler.update_from_output"
+SCHEDULE_TARGET: Final = "Scheduler.schedule"
+WORKER_MODULE: Final = "vllm.v1.worker.gpu_worker"
+WORKER_TARGET: Final = "Worker.initialize_from_config"
 # _bookkeeping_sync returns (num_nans_in_logits, num_nans, ..., req_id_to_index, ...).
 _NANS_DICT, _NANS_DEVICE, _REQ_ID_TO_INDEX = 0, 1, 6
 _NAN: Final = int(RowFlag.NAN)
@@ -90,6 +105,7 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     and never schedules)."""
     enabled = guards.is_enabled(SITE) and bool(guards.settings.site_settings(SITE).abort_flags)
     verify = _SpecMarks()
+    freed = _FreedBlocks()
     return [
         MethodHook(
             guards,
@@ -120,8 +136,18 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
             enabled and _verify_aborts(guards),
         ),
         MethodHook(
-            guards, HOOK, SCHEDULER_MODULE, SCHEDULER_TARGET, _SchedulerHalf(guards), enabled
+            guards,
+            HOOK,
+            SCHEDULER_MODULE,
+            SCHEDULER_TARGET,
+            _SchedulerHalf(guards, freed),
+            enabled,
         ),
+        # Not watched: schedule runs in the engine core, the worker half once at start-up.
+        MethodHook(
+            guards, HOOK, SCHEDULER_MODULE, SCHEDULE_TARGET, _ScheduleHalf(guards, freed), enabled
+        ),
+        MethodHook(guards, HOOK, WORKER_MODULE, WORKER_TARGET, _WorkerHalf(guards), enabled),
     ]
 
 
@@ -384,12 +410,29 @@ class _RunnerHalf:
         return (counts, *result[1:])
 
 
+class _FreedBlocks:
+    """Per scheduler (engine core): the KV blocks freed by ended poisoned requests, until the
+    next scheduled step takes them to the workers to be zeroed."""
+
+    def __init__(self) -> None:
+        self._pending: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+
+    def add(self, scheduler: Any, block_ids: list[int]) -> None:
+        if block_ids:
+            self._pending.setdefault(scheduler, []).extend(block_ids)
+
+    def take(self, scheduler: Any) -> list[int]:
+        return self._pending.pop(scheduler, None) or []
+
+
 class _SchedulerHalf:
     """Scheduler side: end each request the model runner reported NaNs for, with an error."""
 
-    def __init__(self, guards: Guardrails | None = None) -> None:
+    def __init__(self, guards: Guardrails | None = None, freed: _FreedBlocks | None = None) -> None:
         self._failed = OnceLog(HOOK, SCHEDULER_TARGET, guards)
         self._evict_failed = OnceLog(HOOK, "KVCacheManager.evict_blocks", guards)
+        self._zero_failed = OnceLog(HOOK, "new_block_ids_to_zero", guards)
+        self._freed = freed or _FreedBlocks()
 
     def __call__(self, wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -447,7 +490,17 @@ class _SchedulerHalf:
             self._evict(scheduler, poisoned)
         except Exception as exc:  # the request still ends
             self._evict_failed(exc)
-        for request in scheduler.finish_requests(poisoned, RequestStatus.FINISHED_ERROR):
+        try:
+            held = self._block_ids(scheduler, poisoned)
+        except Exception as exc:  # the request still ends
+            self._zero_failed(exc)
+            held = set()
+        ended = scheduler.finish_requests(poisoned, RequestStatus.FINISHED_ERROR)
+        try:
+            self._freed.add(scheduler, self._now_free(scheduler, held))
+        except Exception as exc:
+            self._zero_failed(exc)
+        for request in ended:
             request.num_nans_in_logits = max(
                 request.num_nans_in_logits, poisoned[request.request_id]
             )
@@ -472,11 +525,88 @@ class _SchedulerHalf:
         Shared blocks too: which block holds the bad values is unknown, and a block another
         running request uses stays allocated to it (`evict_blocks` drops only the hash); its
         prefix is recomputed by the next request that would have hit it."""
+        block_ids = _SchedulerHalf._block_ids(scheduler, poisoned)
+        if block_ids:
+            scheduler.kv_cache_manager.evict_blocks(block_ids)
+
+    @staticmethod
+    def _block_ids(scheduler: Any, poisoned: dict[str, int]) -> set[int]:
+        """Every KV block the poisoned requests hold, in every KV cache group (one pool)."""
         manager = scheduler.kv_cache_manager
         block_ids: set[int] = set()
         for req_id in poisoned:
             if req_id in scheduler.requests:
                 for group in manager.get_block_ids(req_id):
                     block_ids.update(group)
-        if block_ids:
-            manager.evict_blocks(block_ids)
+        return block_ids
+
+    @staticmethod
+    def _now_free(scheduler: Any, held: set[int]) -> list[int]:
+        """Of the blocks the ended requests held, those their end freed (no other request
+        holds them: a shared prefix block stays as it is for the request reading it; a block
+        a KV connector still sends is freed, and zeroed, by vLLM later)."""
+        blocks = scheduler.kv_cache_manager.block_pool.blocks
+        return sorted(i for i in held if blocks[i].ref_cnt == 0 and not blocks[i].is_null)
+
+
+class _ScheduleHalf:
+    """Scheduler side: hand the blocks freed by ended poisoned requests to the workers with the
+    next step, in vLLM's own `new_block_ids_to_zero` (zeroed before that step's forward pass,
+    the first that can read them: a block freed after step N is allocated at N+1 at the
+    earliest, also under async scheduling, where N+1 was scheduled before N's output)."""
+
+    def __init__(self, guards: Guardrails | None, freed: _FreedBlocks) -> None:
+        self._failed = OnceLog(HOOK, SCHEDULE_TARGET, guards)
+        self._freed = freed
+
+    def __call__(self, wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        output = wrapped(*args, **kwargs)
+        try:
+            block_ids = self._freed.take(scheduler)
+            if block_ids:
+                ours = output.new_block_ids_to_zero or []
+                output.new_block_ids_to_zero = [*ours, *block_ids]
+        except Exception as exc:
+            self._failed(exc)
+        return output
+
+
+class _WorkerHalf:
+    """Worker side, once the KV cache is allocated (`Worker.initialize_from_config`, outside
+    vLLM's memory pools, where vLLM builds it itself): make the GPU runners' KV block zeroer
+    exist where vLLM built none. It is used only for the block ids the scheduler sends."""
+
+    def __init__(self, guards: Guardrails | None = None) -> None:
+        self._failed = OnceLog(HOOK, WORKER_TARGET, guards)
+
+    def __call__(self, wrapped: Any, worker: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        result = wrapped(*args, **kwargs)
+        try:
+            runner = getattr(worker, "model_runner", None)
+            if runner is not None and _needs_zeroer(runner):
+                runner._init_kv_zero_meta()
+        except Exception as exc:
+            self._failed(exc)
+        return result
+
+
+def _needs_zeroer(runner: Any) -> bool:
+    """Whether `runner` zeroes blocks through a KV block zeroer it has not built.
+
+    Model Runner V2 holds `kv_block_zeroer` (None until built; its step asserts it exists when
+    it is sent block ids). The V1 GPU runner's `_zero_block_ids` does nothing without its
+    `_kv_block_zeroer`; a subclass that overrides `_zero_block_ids` (the CPU runner zeroes
+    its blocks directly) needs none."""
+    if not hasattr(runner, "_init_kv_zero_meta"):
+        return False
+    if hasattr(runner, "kv_block_zeroer"):
+        return runner.kv_block_zeroer is None
+    if hasattr(runner, "_kv_block_zeroer"):
+        return False
+    # Late: this runs inside the worker, after vLLM is imported.
+    from vllm.v1.worker.gpu_model_runner import (  # type: ignore[import-not-found, unused-ignore]
+        GPUModelRunner,
+    )
+
+    zero = getattr(type(runner), "_zero_block_ids", None)
+    return isinstance(runner, GPUModelRunner) and zero is GPUModelRunner._zero_block_ids

@@ -15,7 +15,10 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from tests.e2e.client import Outcome
 from tests.e2e.server import Server, free_port, guarded, running, server_env
+
+SITE = {"site": "sampler.logits"}
 
 # The model's context, the KV cache the CPU backend reserves (GiB), and what the suite's
 # requests need: a small engine that starts in about a minute on 2 cores.
@@ -61,3 +64,12 @@ def vllm_server(
         env=environ,
     ) as server:
         yield server
+
+
+def server_error(outcome: Outcome) -> bool:
+    """vLLM's answer for a request that finished with an error: HTTP 500, or an error event."""
+    error = outcome.error
+    if error is None:
+        return False
+    body = error.body if isinstance(error.body, dict) else {}
+    return getattr(error, "status_code", None) == 500 or body.get("code") == 500

@@ -18,7 +18,6 @@ from tests.e2e.client import (
     GREEDY,
     POISONED,
     SAMPLED,
-    Outcome,
     chat,
     complete,
     families,
@@ -32,17 +31,7 @@ from tests.e2e.client import (
 )
 from tests.e2e.server import Server
 from tests.e2e.vllm.conftest import Reference
-
-SITE = {"site": "sampler.logits"}
-
-
-def server_error(outcome: Outcome) -> bool:
-    """vLLM's answer for a request that finished with an error: HTTP 500, or an error event."""
-    error = outcome.error
-    if error is None:
-        return False
-    body = error.body if isinstance(error.body, dict) else {}
-    return getattr(error, "status_code", None) == 500 or body.get("code") == 500
+from tests.e2e.vllm.launch import SITE, server_error
 
 
 def test_unguarded_a_poisoned_request_is_answered_200_with_nothing(reference: Reference) -> None:

@@ -27,8 +27,7 @@ from tests.e2e.client import (
 )
 from tests.e2e.server import Server
 from tests.e2e.vllm.conftest import Reference
-from tests.e2e.vllm.launch import vllm_server
-from tests.e2e.vllm.test_serve import server_error
+from tests.e2e.vllm.launch import server_error, vllm_server
 
 SITE = {"site": "sampler.logits"}
 

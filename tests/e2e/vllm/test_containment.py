@@ -1,0 +1,129 @@
+"""A poisoned request's KV never reaches another request, on vLLM's real server: chunked
+prefill at 128 tokens a step (one KV block on the CPU backend), prefix caching on.
+
+vLLM's free queue hands out hashless blocks first, and the hook's eviction strips the hashes
+of a poisoned request's blocks: the very next allocation gets them back, and attention reads
+their slots past a shorter prompt's length (0 x NaN = NaN). The hook has vLLM zero exactly
+those blocks before the next step runs. The fault is switched off and on in the running
+server (tests/e2e/vllm/fault.py), so the poisoned prompt's retry can be checked once it is
+gone. Every reference is the same server's greedy answer before anything was poisoned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import tiny_llama
+from tests.e2e.client import CLEAN, GREEDY, Outcome, complete, samples, wait_for_sample
+from tests.e2e.server import ROOT, Server
+from tests.e2e.vllm import fault
+from tests.e2e.vllm.launch import SITE, server_error, vllm_server
+
+CHUNK = 128  # --max-num-batched-tokens, and the CPU backend's KV block size
+_PLAIN = [word for word in tiny_llama.WORDS if word != tiny_llama.TRIGGER]
+
+
+def words(count: int, start: int) -> str:
+    """`count` clean words (one token each), a different run for each `start`."""
+    return " ".join(_PLAIN[(start + 5 * i) % len(_PLAIN)] for i in range(count))
+
+
+# The trigger at token 3: NaN from the first chunk on, in every block the prompt holds.
+EARLY = f"{words(3, 0)} {tiny_llama.TRIGGER} {words(200, 1)}"
+# 140 clean tokens (the first block is clean, and cached), then the trigger: NaN is born in
+# the second chunk (tokens 128-255) of three.
+PREFIX = words(140, 2)
+LATE = f"{PREFIX} {tiny_llama.TRIGGER} {words(150, 3)}"
+SHARED = f"{PREFIX} {words(60, 4)}"  # LATE's clean prefix, another ending
+SHORT = CLEAN[:2]
+REFERENCE_PROMPTS = (*SHORT, SHARED, fault.healed(EARLY), fault.healed(LATE))
+
+
+@pytest.fixture(scope="module")
+def contained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with vllm_server(
+        model_dir,
+        tmp_path_factory.mktemp("vllm-contained") / "server.log",
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        "--worker-extension-cls",
+        fault.EXTENSION,
+        env={"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ROOT)},
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def unpoisoned(contained: Server) -> dict[str, str]:
+    """Greedy texts before any poisoned request, one request at a time."""
+    texts = {}
+    for prompt in REFERENCE_PROMPTS:
+        got = complete(contained, prompt, GREEDY)
+        assert (got.error, got.finish_reason) == (None, "length"), got
+        texts[prompt] = got.text
+    return texts
+
+
+def total(server: Server, name: str) -> float:
+    """A sample summed over its label sets (vLLM's carry model and engine labels)."""
+    return sum(value for (sample, _), value in samples(server).items() if sample == name)
+
+
+def settled(server: Server, name: str, expected: float = 0.0, **labels: str) -> float:
+    """A guardrails sample once it reaches `expected` and holds for a second."""
+    value = wait_for_sample(server, name, expected, **labels)
+    time.sleep(1.0)
+    return wait_for_sample(server, name, value, **labels)
+
+
+def answered(outcome: Outcome) -> tuple[object, str, str | None]:
+    return outcome.error, outcome.text, outcome.finish_reason
+
+
+def test_a_nan_born_in_a_prefill_chunk_ends_the_request_at_that_chunk(
+    contained: Server, unpoisoned: dict[str, str]
+) -> None:
+    calls, flagged = "guardrails_guard_calls_total", "guardrails_flagged_rows_total"
+    calls_before = settled(contained, calls, **SITE)
+    flagged_before = settled(contained, flagged, reason="no_valid_token", **SITE)
+    hits = total(contained, "vllm:prefix_cache_hits_total")
+    assert server_error(complete(contained, LATE, GREEDY))
+    # The first block may be a prefix-cache hit (SHARED's unpoisoned left it); every chunk
+    # vLLM prefills is one sampler call, and the one holding the trigger must be the last.
+    cached = total(contained, "vllm:prefix_cache_hits_total") - hits
+    assert cached in (0, CHUNK), cached
+    chunks = (2 * CHUNK - int(cached)) // CHUNK  # up to the chunk of token 140
+    assert settled(contained, calls, calls_before + chunks, **SITE) == calls_before + chunks
+    got = settled(contained, flagged, flagged_before + 1, reason="no_valid_token", **SITE)
+    assert got == flagged_before + 1
+
+
+def test_a_short_prompt_after_a_poisoned_one_answers_as_before(
+    contained: Server, unpoisoned: dict[str, str]
+) -> None:
+    for short in SHORT:
+        assert server_error(complete(contained, EARLY, GREEDY))
+        # Its blocks are free, hashless, and first in line for this allocation.
+        assert answered(complete(contained, short, GREEDY)) == (None, unpoisoned[short], "length")
+
+
+def test_a_prompt_sharing_a_poisoned_prompts_clean_prefix_answers_as_before(
+    contained: Server, unpoisoned: dict[str, str]
+) -> None:
+    assert server_error(complete(contained, LATE, GREEDY))
+    assert answered(complete(contained, SHARED, GREEDY)) == (None, unpoisoned[SHARED], "length")
+
+
+def test_a_poisoned_prompts_retry_once_the_fault_is_gone_answers_as_the_healed_prompt(
+    contained: Server, unpoisoned: dict[str, str]
+) -> None:
+    for poisoned in (LATE, EARLY):
+        assert server_error(complete(contained, poisoned, GREEDY))
+    with fault.off(contained):
+        for poisoned in (LATE, EARLY):
+            got = complete(contained, poisoned, GREEDY)
+            assert answered(got) == (None, unpoisoned[fault.healed(poisoned)], "length")
