@@ -38,17 +38,17 @@ one of vLLM's two model runners, so one runner half runs there and the other nev
   prompt recomputes instead of reading the poisoned KV back), and it ends as FINISHED_ERROR;
   its output carries finish_reason ERROR and the count, which vLLM's own stats mark as a
   corrupted request.
-- KV zeroing (the scheduler's `Scheduler.schedule`, the worker's
-  `Worker.initialize_from_config`): the blocks the poisoned request's end freed are zeroed
-  before any request can read them. vLLM's free queue hands out hashless blocks first, and
-  attention reads a block's slots past a shorter request's length (probability 0 x NaN = NaN),
-  so its NaN would reach the very next request. vLLM's own machinery does the zeroing: the
-  freed block ids ride the next step's `SchedulerOutput.new_block_ids_to_zero`, which every
-  worker zeroes (`_zero_block_ids` / `kv_block_zeroer`) before that step's forward pass. vLLM
-  fills that list only where its cache needs zeroing for every new block (Mamba, mixed
-  precision) and builds the GPU runners' zeroer only then: the worker half builds it after the
-  KV cache is allocated where it is missing (the CPU runner zeroes without one). Clean
-  requests' blocks are never zeroed.
+- KV zeroing (the scheduler's `Scheduler.schedule`; the worker's V1
+  `GPUModelRunner._zero_block_ids`, V2 `GPUModelRunner.update_requests`): the blocks the
+  poisoned request's end freed are zeroed before any request can read them. vLLM's free queue
+  hands out hashless blocks first, and attention reads a block's slots past a shorter
+  request's length (probability 0 x NaN = NaN), so its NaN would reach the very next request.
+  vLLM's own machinery does the zeroing: the freed block ids ride the next step's
+  `SchedulerOutput.new_block_ids_to_zero`, which every worker zeroes before that step's
+  forward pass. vLLM fills that list only where its cache needs zeroing for every new block
+  (Mamba, mixed precision) and builds the GPU runners' KV block zeroer only then: the worker
+  halves build it at the first step that sends ids (the CPU runner zeroes without one).
+  Clean requests' blocks are never zeroed.
 
 No host sync is added: the marks are new device tensors made from the flags before the next
 step can reuse the flags buffer, and they reach the host with copies vLLM already waits for.
@@ -85,8 +85,8 @@ VERIFY_TARGET: Final = "RejectionSampler.forward"
 SCHEDULER_MODULE: Final = "vllm.v1.core.sched.scheduler"
 SCHEDULER_TARGET: Final = "Scheduler.update_from_output"
 SCHEDULE_TARGET: Final = "Scheduler.schedule"
-WORKER_MODULE: Final = "vllm.v1.worker.gpu_worker"
-WORKER_TARGET: Final = "Worker.initialize_from_config"
+ZERO_TARGET: Final = "GPUModelRunner._zero_block_ids"
+ZERO_V2_TARGET: Final = "GPUModelRunner.update_requests"
 # _bookkeeping_sync returns (num_nans_in_logits, num_nans, ..., req_id_to_index, ...).
 _NANS_DICT, _NANS_DEVICE, _REQ_ID_TO_INDEX = 0, 1, 6
 _NAN: Final = int(RowFlag.NAN)
@@ -143,11 +143,28 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
             _SchedulerHalf(guards, freed),
             enabled,
         ),
-        # Not watched: schedule runs in the engine core, the worker half once at start-up.
+        # Not watched: schedule runs in the engine core; the zeroer halves act only on a step
+        # that zeroes a poisoned request's blocks.
         MethodHook(
             guards, HOOK, SCHEDULER_MODULE, SCHEDULE_TARGET, _ScheduleHalf(guards, freed), enabled
         ),
-        MethodHook(guards, HOOK, WORKER_MODULE, WORKER_TARGET, _WorkerHalf(guards), enabled),
+        MethodHook(
+            guards,
+            HOOK,
+            RUNNER_MODULE,
+            ZERO_TARGET,
+            _ZeroerHalf(guards, ZERO_TARGET, v2=False),
+            enabled,
+        ),
+        MethodHook(
+            guards,
+            HOOK,
+            RUNNER_V2_MODULE,
+            ZERO_V2_TARGET,
+            _ZeroerHalf(guards, ZERO_V2_TARGET, v2=True),
+            enabled,
+            when="vllm>=0.32",
+        ),
     ]
 
 
@@ -571,42 +588,38 @@ class _ScheduleHalf:
         return output
 
 
-class _WorkerHalf:
-    """Worker side, once the KV cache is allocated (`Worker.initialize_from_config`, outside
-    vLLM's memory pools, where vLLM builds it itself): make the GPU runners' KV block zeroer
-    exist where vLLM built none. It is used only for the block ids the scheduler sends."""
+class _ZeroerHalf:
+    """Worker side: the blocks the scheduler half sends are zeroed by the runner's KV block
+    zeroer, which vLLM builds only for caches that zero every new block. Where it is missing
+    it is built at the first step that sends any (`_init_kv_zero_meta`, a table of each
+    layer's block addresses).
 
-    def __init__(self, guards: Guardrails | None = None) -> None:
-        self._failed = OnceLog(HOOK, WORKER_TARGET, guards)
+    V1 (`GPUModelRunner._zero_block_ids`) does nothing without its zeroer; a runner that
+    overrides the method (the CPU runner zeroes its blocks directly) never reaches this half.
+    Model Runner V2 (`GPUModelRunner.update_requests`) asserts the zeroer exists when a step
+    sends block ids: if it cannot be built, the ids are dropped from the step (and the failure
+    logged) rather than let that assertion end the worker."""
 
-    def __call__(self, wrapped: Any, worker: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-        result = wrapped(*args, **kwargs)
+    def __init__(self, guards: Guardrails | None, target: str, *, v2: bool) -> None:
+        self._failed = OnceLog(HOOK, target, guards)
+        self._v2 = v2
+
+    def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
-            runner = getattr(worker, "model_runner", None)
-            if runner is not None and _needs_zeroer(runner):
+            if self._v2:
+                self._ensure_v2(runner, *args, **kwargs)
+            elif not hasattr(runner, "_kv_block_zeroer"):
                 runner._init_kv_zero_meta()
         except Exception as exc:
             self._failed(exc)
-        return result
+        return wrapped(*args, **kwargs)
 
-
-def _needs_zeroer(runner: Any) -> bool:
-    """Whether `runner` zeroes blocks through a KV block zeroer it has not built.
-
-    Model Runner V2 holds `kv_block_zeroer` (None until built; its step asserts it exists when
-    it is sent block ids). The V1 GPU runner's `_zero_block_ids` does nothing without its
-    `_kv_block_zeroer`; a subclass that overrides `_zero_block_ids` (the CPU runner zeroes
-    its blocks directly) needs none."""
-    if not hasattr(runner, "_init_kv_zero_meta"):
-        return False
-    if hasattr(runner, "kv_block_zeroer"):
-        return runner.kv_block_zeroer is None
-    if hasattr(runner, "_kv_block_zeroer"):
-        return False
-    # Late: this runs inside the worker, after vLLM is imported.
-    from vllm.v1.worker.gpu_model_runner import (  # type: ignore[import-not-found, unused-ignore]
-        GPUModelRunner,
-    )
-
-    zero = getattr(type(runner), "_zero_block_ids", None)
-    return isinstance(runner, GPUModelRunner) and zero is GPUModelRunner._zero_block_ids
+    @staticmethod
+    def _ensure_v2(runner: Any, scheduler_output: Any, *rest: Any, **kwargs: Any) -> None:
+        if not scheduler_output.new_block_ids_to_zero or runner.kv_block_zeroer is not None:
+            return
+        try:
+            runner._init_kv_zero_meta()
+        finally:
+            if runner.kv_block_zeroer is None:
+                scheduler_output.new_block_ids_to_zero = None

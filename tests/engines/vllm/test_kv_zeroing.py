@@ -7,7 +7,8 @@ here, as on a plain attention model, it is empty until a request is poisoned.
 What runs is vLLM's: Scheduler.schedule/update_from_output/finish_requests, its
 KVCacheManager, BlockPool and prefix cache, the block hasher its EngineCore gives every
 request. The model runner's bookkeeping is the labelled stand-in of test_poisoned_requests.
-The worker side (which runner needs its zeroer built) is judged on vLLM's own runner classes.
+The worker side (the V1 GPU runner builds its zeroer when first sent blocks) runs vLLM's own
+runner method.
 """
 
 from __future__ import annotations
@@ -101,24 +102,31 @@ def test_without_a_poisoned_request_no_block_is_zeroed(scheduler, monkeypatch) -
     assert (first.new_block_ids_to_zero, second.new_block_ids_to_zero) == (None, None)
 
 
-def test_the_v1_gpu_runner_gets_its_zeroer_and_the_cpu_runner_needs_none(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """vLLM builds the GPU runners' zeroer only when every new block needs zeroing; the
-    worker half builds it after `Worker.initialize_from_config` where it is missing. The
-    runners are vLLM's classes, not initialised (`object.__new__`: no device here)."""
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+def test_the_v1_gpu_runner_builds_its_zeroer_when_first_sent_blocks(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """vLLM builds the GPU runners' zeroer only when every new block needs zeroing; the hook's
+    V1 half (`GPUModelRunner._zero_block_ids`) builds it the first time a step sends block ids,
+    and once. vLLM's runner class, not initialised (`object.__new__`: no device here); its
+    `_init_kv_zero_meta` and the zeroer it builds are labelled stand-ins (they need a device
+    KV cache)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from guardrails.integrations import vllm as hook
+    zeroed: list[list[int]] = []
+
+    class ZeroerStandIn:  # STAND-IN (test only) for vLLM's KVBlockZeroer
+        def zero_block_ids(self, block_ids: list[int]) -> None:
+            zeroed.append(block_ids)
 
     built = []
-    monkeypatch.setattr(GPUModelRunner, "_init_kv_zero_meta", lambda self: built.append(self))
-    half = hook._WorkerHalf()
-    for cls in (GPUModelRunner, CPUModelRunner):
-        worker = SimpleNamespace(model_runner=object.__new__(cls))
-        assert half(lambda config: "initialized", worker, ("config",), {}) == "initialized"
-    assert [type(runner) for runner in built] == [GPUModelRunner]
-    # Built once: a zeroer vLLM built itself is kept.
+
+    def init_kv_zero_meta(self) -> None:  # type: ignore[no-untyped-def]
+        built.append(self)
+        self._kv_block_zeroer = ZeroerStandIn()
+
+    monkeypatch.setattr(GPUModelRunner, "_init_kv_zero_meta", init_kv_zero_meta)
     runner = object.__new__(GPUModelRunner)
-    runner._kv_block_zeroer = "vLLM's"
-    half(lambda: None, SimpleNamespace(model_runner=runner), (), {})
-    assert len(built) == 1
+    runner._zero_block_ids([3, 5])
+    assert (built, zeroed) == ([], [])  # unhooked: vLLM's own method does nothing
+    with hooked():
+        runner._zero_block_ids([3, 5])
+        runner._zero_block_ids([7])
+    assert (built, zeroed) == ([runner], [[3, 5], [7]])

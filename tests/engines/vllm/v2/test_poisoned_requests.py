@@ -45,17 +45,15 @@ def hooked() -> Iterator[Guardrails]:
         handles = guards.install_hooks()
         try:
             # Only V2's runner module is imported in this process, as in a V2 worker.
-            states = {h.target: h.state for h in handles}
-            assert states == {
+            assert {h.target: h.state for h in handles} == {
                 "GPUModelRunner.sample": "applied",
                 "GPUModelRunner._bookkeeping_sync": "pending",
                 "RejectionSampler.forward": "pending",  # V1's speculative half
                 "Scheduler.update_from_output": "applied",
                 "Scheduler.schedule": "applied",
-                # Applied once a test imports vLLM's worker module.
-                "Worker.initialize_from_config": states["Worker.initialize_from_config"],
+                "GPUModelRunner._zero_block_ids": "pending",
+                "GPUModelRunner.update_requests": "applied",
             }
-            assert states["Worker.initialize_from_config"] in ("pending", "applied")
             yield guards
         finally:
             for handle in handles:
@@ -286,3 +284,71 @@ def test_with_vllms_raise_on_nans_only_a_row_that_held_nan_makes_vllm_raise(  # 
         unguarded="(vLLM raises only for NaN it counts)",
         guarded=observed,
     )
+
+
+class ZeroerStandIn:
+    """STAND-IN (test only) for vLLM's KVBlockZeroer (a Triton kernel over the device KV
+    cache, which runner.py does not allocate): records the block ids V2 asks it to zero."""
+
+    def __init__(self) -> None:
+        self.zeroed: list[list[int]] = []
+
+    def zero_block_ids(self, block_ids: list[int]) -> None:
+        self.zeroed.append(list(block_ids))
+
+
+def poisoned_then_next(v2: Engine) -> tuple[list[int], list[int], object]:
+    """A poisoned and a clean long prompt, one poisoned step, then the next step: (the blocks
+    the clean request holds, the ids the next step sent to be zeroed, that step)."""
+    prompts = {"poisoned": long_prompt(1), "clean": long_prompt(2)}
+    for req_id, prompt in prompts.items():
+        v2.add(req_id, prompt, temperature=0.0)
+    first = v2.step({"poisoned": fault_row("all-NaN row")})
+    assert first.scheduled.new_block_ids_to_zero is None  # nothing zeroed on a clean path
+    assert str(first.by_id()["poisoned"].finish_reason) == "error"
+    held = list(v2.scheduler.kv_cache_manager.get_block_ids("clean")[0])
+    scheduled = v2.scheduler.schedule()
+    sent = list(scheduled.new_block_ids_to_zero or [])
+    return held, sent, v2.update(v2.execute(scheduled))
+
+
+def test_the_blocks_a_poisoned_request_freed_reach_v2s_kv_block_zeroer(  # type: ignore[no-untyped-def]
+    outcome, v2, monkeypatch
+) -> None:
+    """V2's `update_requests` zeroes the next step's `new_block_ids_to_zero` with its KV
+    block zeroer, which vLLM builds only for caches that zero every new block: the hook builds
+    it (`_init_kv_zero_meta`, here the stand-in's builder) the first time ids are sent."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    zeroer = ZeroerStandIn()
+    monkeypatch.setattr(
+        GPUModelRunner, "_init_kv_zero_meta", lambda self: setattr(self, "kv_block_zeroer", zeroer)
+    )
+    assert v2.runner.kv_block_zeroer is None  # vLLM built none
+    with hooked():
+        held, sent, _ = poisoned_then_next(v2)
+    assert sent, "the poisoned request's blocks were not sent to be zeroed"
+    assert not set(sent) & set(held)  # never a running request's block
+    assert zeroer.zeroed == [sent]  # zeroed by V2's own update_requests, once
+    outcome(
+        component="V2 Scheduler.schedule -> GPUModelRunner.update_requests (KV zeroing)",
+        dtype="float32",
+        mode="prefix caching",
+        fault="all-NaN row at prefill",
+        unguarded="(vLLM alone: freed blocks are reused as they are; V2 builds no zeroer)",
+        guarded=f"the next step zeroes blocks {sent} with the zeroer the hook built",
+    )
+
+
+def test_where_v2s_zeroer_cannot_be_built_the_step_runs_and_the_failure_is_logged(  # type: ignore[no-untyped-def]
+    v2, caplog
+) -> None:
+    # vLLM's own _init_kv_zero_meta, on a runner without a KV cache: it fails; V2 would
+    # assert on the ids it was sent, so they are dropped from the step and the step runs.
+    with hooked():
+        _, sent, following = poisoned_then_next(v2)
+    assert sent
+    assert following.scheduled.new_block_ids_to_zero is None
+    assert str(following.by_id()["clean"].finish_reason) != "error"
+    assert "guardrails.hook_error" in caplog.text
+    assert "GPUModelRunner.update_requests" in caplog.text
