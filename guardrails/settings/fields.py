@@ -166,7 +166,9 @@ TraceMode = Annotated[str, AfterValidator(_mode)]
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 # Labels of guardrails' own series (guardrails.reporting.metrics), which constant labels
 # must not shadow.
-_OWN_LABELS = frozenset({"site", "kind", "reason", "rank", "stage", "target", "module"})
+# Every label of guardrails' own families (reporting.metrics.FAMILIES; a test keeps them equal):
+# a constant label of the same name would make each increment of such a series fail.
+_OWN_LABELS = frozenset({"site", "kind", "reason", "rank", "stage", "target", "module", "hook"})
 # RFC 1123 host name labels; the idna codec refuses longer ones with a UnicodeError at bind.
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
@@ -202,6 +204,8 @@ def _label_pairs(value: object) -> object:
             name, eq, label = str(item).partition("=")
             if not eq:
                 raise ValueError(f"{item!r} is not name=value")
+            if name.strip() in pairs:
+                raise ValueError(f"label {name.strip()!r} is given twice")
             pairs[name.strip()] = label.strip()
         return pairs
     return value

@@ -57,6 +57,8 @@ def test_a_config_file_table_gives_the_labels(tmp_path: pytest.TempPathFactory) 
     [
         ("site=x", "'site' is a label guardrails sets itself"),
         ("rank=1", "'rank' is a label guardrails sets itself"),
+        ("hook=x", "'hook' is a label guardrails sets itself"),
+        ("model_name=a,model_name=b", "GUARDRAILS_METRICS_LABELS.*'model_name' is given twice"),
         ("__name__=x", "not a Prometheus label name"),
         ("model-name=x", "not a Prometheus label name"),
         ("model_name", "is not name=value"),
@@ -65,6 +67,15 @@ def test_a_config_file_table_gives_the_labels(tmp_path: pytest.TempPathFactory) 
 def test_a_bad_label_is_a_settings_error_naming_it(value: str, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
         fresh_guardrails(environ={"GUARDRAILS_METRICS_LABELS": value})
+
+
+def test_every_label_guardrails_sets_is_refused_as_a_constant_label() -> None:
+    # A constant label named like one of the families' own would make every increment of
+    # those series fail: the refused names are exactly the families' label names.
+    from guardrails.reporting.metrics import FAMILIES
+    from guardrails.settings.fields import _OWN_LABELS
+
+    assert {label for spec in FAMILIES for label in spec.labels} == _OWN_LABELS
 
 
 def test_instances_sharing_a_registry_need_the_same_label_names() -> None:
