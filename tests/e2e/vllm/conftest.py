@@ -17,8 +17,9 @@ import pytest
 
 from tests import tiny_llama
 from tests.e2e.client import CLEAN, GREEDY, POISONED, Outcome, chat, complete, families, stream
-from tests.e2e.server import Server
-from tests.e2e.vllm.launch import vllm_server
+from tests.e2e.server import ROOT, Server
+from tests.e2e.vllm import fault
+from tests.e2e.vllm.launch import CHUNK, vllm_server
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,22 @@ def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Refe
         )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def served(
     model_dir: Path, reference: Reference, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """The guarded server, with vLLM's defaults (prefix caching, chunked prefill, compiled)."""
-    with vllm_server(model_dir, tmp_path_factory.mktemp("vllm") / "server.log") as server:
+    """The guarded server, with vLLM's defaults (prefix caching, chunked prefill, compiled),
+    prefill chunks of one KV block (128 tokens, as the CPU backend's), and the test-only
+    fault switch (tests/e2e/vllm/fault.py) on its dev endpoint. One for the session: its
+    tests hold whatever order they run in (a poisoned request's KV reaches no other). Started
+    once the unguarded reference has been taken and its server stopped."""
+    with vllm_server(
+        model_dir,
+        tmp_path_factory.mktemp("vllm") / "server.log",
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        "--worker-extension-cls",
+        fault.EXTENSION,
+        env={"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ROOT)},
+    ) as server:
         yield server

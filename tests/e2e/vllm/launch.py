@@ -19,6 +19,7 @@ from tests.e2e.client import Outcome
 from tests.e2e.server import Server, free_port, guarded, running, server_env
 
 SITE = {"site": "sampler.logits"}
+CHUNK = 128  # the CPU backend's KV block size; the guarded server's prefill chunk
 
 # The model's context, the KV cache the CPU backend reserves (GiB), and what the suite's
 # requests need: a small engine that starts in about a minute on 2 cores.

@@ -6,24 +6,22 @@ of a poisoned request's blocks: the very next allocation gets them back, and att
 their slots past a shorter prompt's length (0 x NaN = NaN). The hook has vLLM zero exactly
 those blocks before the next step runs. The fault is switched off and on in the running
 server (tests/e2e/vllm/fault.py), so the poisoned prompt's retry can be checked once it is
-gone. Every reference is the same server's greedy answer before anything was poisoned.
+gone. Every reference is the same server's greedy answer (the session's guarded server,
+conftest.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests import tiny_llama
 from tests.e2e.client import CLEAN, GREEDY, Outcome, complete, samples, wait_for_sample
-from tests.e2e.server import ROOT, Server
+from tests.e2e.server import Server
 from tests.e2e.vllm import fault
-from tests.e2e.vllm.launch import SITE, server_error, vllm_server
+from tests.e2e.vllm.launch import CHUNK, SITE, server_error
 
-CHUNK = 128  # --max-num-batched-tokens, and the CPU backend's KV block size
 _PLAIN = [word for word in tiny_llama.WORDS if word != tiny_llama.TRIGGER]
 
 
@@ -44,25 +42,13 @@ REFERENCE_PROMPTS = (*SHORT, SHARED, fault.healed(EARLY), fault.healed(LATE))
 
 
 @pytest.fixture(scope="module")
-def contained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with vllm_server(
-        model_dir,
-        tmp_path_factory.mktemp("vllm-contained") / "server.log",
-        "--max-num-batched-tokens",
-        str(CHUNK),
-        "--worker-extension-cls",
-        fault.EXTENSION,
-        env={"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ROOT)},
-    ) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def unpoisoned(contained: Server) -> dict[str, str]:
-    """Greedy texts before any poisoned request, one request at a time."""
+def unpoisoned(served: Server) -> dict[str, str]:
+    """Greedy texts, one request at a time, taken when this module starts (before any
+    poisoned request when it runs first, as it does by name; any poisoned KV they read would
+    fail them here)."""
     texts = {}
     for prompt in REFERENCE_PROMPTS:
-        got = complete(contained, prompt, GREEDY)
+        got = complete(served, prompt, GREEDY)
         assert (got.error, got.finish_reason) == (None, "length"), got
         texts[prompt] = got.text
     return texts
@@ -85,45 +71,46 @@ def answered(outcome: Outcome) -> tuple[object, str, str | None]:
 
 
 def test_a_nan_born_in_a_prefill_chunk_ends_the_request_at_that_chunk(
-    contained: Server, unpoisoned: dict[str, str]
+    served: Server, unpoisoned: dict[str, str]
 ) -> None:
     calls, flagged = "guardrails_guard_calls_total", "guardrails_flagged_rows_total"
-    calls_before = settled(contained, calls, **SITE)
-    flagged_before = settled(contained, flagged, reason="no_valid_token", **SITE)
-    hits = total(contained, "vllm:prefix_cache_hits_total")
-    assert server_error(complete(contained, LATE, GREEDY))
+    calls_before = settled(served, calls, **SITE)
+    flagged_before = settled(served, flagged, reason="no_valid_token", **SITE)
+    hits = total(served, "vllm:prefix_cache_hits_total")
+    assert server_error(complete(served, LATE, GREEDY))
     # The first block may be a prefix-cache hit (SHARED's unpoisoned left it); every chunk
     # vLLM prefills is one sampler call, and the one holding the trigger must be the last.
-    cached = total(contained, "vllm:prefix_cache_hits_total") - hits
+    cached = total(served, "vllm:prefix_cache_hits_total") - hits
     assert cached in (0, CHUNK), cached
     chunks = (2 * CHUNK - int(cached)) // CHUNK  # up to the chunk of token 140
-    assert settled(contained, calls, calls_before + chunks, **SITE) == calls_before + chunks
-    got = settled(contained, flagged, flagged_before + 1, reason="no_valid_token", **SITE)
+    assert settled(served, calls, calls_before + chunks, **SITE) == calls_before + chunks
+    got = settled(served, flagged, flagged_before + 1, reason="no_valid_token", **SITE)
     assert got == flagged_before + 1
 
 
 def test_a_short_prompt_after_a_poisoned_one_answers_as_before(
-    contained: Server, unpoisoned: dict[str, str]
+    served: Server, unpoisoned: dict[str, str]
 ) -> None:
     for short in SHORT:
-        assert server_error(complete(contained, EARLY, GREEDY))
+        assert server_error(complete(served, EARLY, GREEDY))
         # Its blocks are free, hashless, and first in line for this allocation.
-        assert answered(complete(contained, short, GREEDY)) == (None, unpoisoned[short], "length")
+        assert answered(complete(served, short, GREEDY)) == (None, unpoisoned[short], "length")
 
 
 def test_a_prompt_sharing_a_poisoned_prompts_clean_prefix_answers_as_before(
-    contained: Server, unpoisoned: dict[str, str]
+    served: Server, unpoisoned: dict[str, str]
 ) -> None:
-    assert server_error(complete(contained, LATE, GREEDY))
-    assert answered(complete(contained, SHARED, GREEDY)) == (None, unpoisoned[SHARED], "length")
+    assert server_error(complete(served, LATE, GREEDY))
+    assert answered(complete(served, SHARED, GREEDY)) == (None, unpoisoned[SHARED], "length")
 
 
 def test_a_poisoned_prompts_retry_once_the_fault_is_gone_answers_as_the_healed_prompt(
-    contained: Server, unpoisoned: dict[str, str]
+    served: Server, unpoisoned: dict[str, str]
 ) -> None:
     for poisoned in (LATE, EARLY):
-        assert server_error(complete(contained, poisoned, GREEDY))
-    with fault.off(contained):
+        assert server_error(complete(served, poisoned, GREEDY))
+    with fault.off(served):
         for poisoned in (LATE, EARLY):
-            got = complete(contained, poisoned, GREEDY)
+            got = complete(served, poisoned, GREEDY)
+            served.poisoned_sent -= 1  # the trigger, with the fault off: not poisoned
             assert answered(got) == (None, unpoisoned[fault.healed(poisoned)], "length")
