@@ -7,6 +7,13 @@ before the paged cache stores them, ends the poisoned request and frees its bloc
 prefix cache (`no_cache=True`). Blocks of 4 tokens (one block per sector for this model) keep
 every prompt here within two blocks, so the requests after the poisoned one are prefilled and
 decoded in the very blocks it wrote.
+
+transformers reads a request's KV only at the positions that request wrote
+(`FullAttentionCacheAllocator.get_read_indices`), so a freed block's stale values are
+overwritten before anything reads them: these tests also pass with the KV healing off (its NaN
+then stays in the freed block until the next request writes over it). What they hold to is
+the freeing, the prefix cache and the retry; the healing's own proof is the shared batch
+(test_serve_batching.py).
 """
 
 from __future__ import annotations
@@ -26,8 +33,8 @@ CONTAINED_ARGS = ("--cb-block-size", str(PAGE), "--cb-num-blocks", "32")
 CONTAINED_ARGS += ("--cb-max-batch-tokens", "64")
 # A clean first block (kalo mipe rita nuso), then the trigger in the second one.
 POISONED = "kalo mipe rita nuso quasar veta"
-SHARED = "kalo mipe rita nuso bogi dara"  # the poisoned prompt's first block, then clean words
-SHORT = "fegi dara kami"  # one block: never a prefix-cache hit, prefilled in a fresh block
+SHARED = "kalo mipe rita nuso bogi dabo"  # the poisoned prompt's first block, then clean words
+SHORT = "fegi dabo kami"  # one block: never a prefix-cache match (one token is always left)
 LONG = 24  # decoding walks over the poisoned request's other blocks too
 
 
@@ -66,7 +73,10 @@ def test_a_request_in_the_poisoned_requests_freed_blocks_gets_its_text(
     """The next blocks handed out are the ones the poisoned request just freed: with one block
     per sector, `Scheduler._try_to_meet_safety_margin` gives its blocks back as free sectors
     (`CachePool.try_to_free_sectors` appends them to `free_sectors`) and
-    `CachePool.allocate_sector` pops the last one: its last block (the trigger's) goes first."""
+    `CachePool.allocate_sector` pops the last one: its last block (the trigger's) goes first.
+    Each block the clean request completes duplicates one its reference run left in the prefix
+    cache, so `mark_complete_blocks` swaps it for that one and frees the fresh block, which is
+    handed out again: every block this request writes is the trigger's."""
     _assert_ended(chat(contained, POISONED, GREEDY))
     _assert_reference(contained, SHORT, references)
     assert contained.health() == (200, {"status": "ok"})
@@ -80,10 +90,11 @@ def test_a_prompt_sharing_the_poisoned_prompts_clean_prefix_gets_its_text(
     hashed after the forward that fills them (`PagedAttentionCache.mark_complete_blocks`, from
     `update_batch`), a freed hashed block is kept cached, and a new prompt's leading whole
     blocks are matched (`Scheduler._infer_request_tokens`, `search_prefix_match`). The poisoned
-    prompt shares its first block with SHARED, whose reference run cached it: the poisoned
-    request reads it from the cache, and freeing it with `no_cache=True` drops that block's
-    hash. SHARED is then prefilled again (in blocks the poisoned request wrote), and a second
-    SHARED reads its first block from the prefix cache that run rebuilt."""
+    prompt shares its first block with SHARED, whose reference run cached it: the first
+    poisoned request reads it from the cache, and freeing it with `no_cache=True` drops that
+    block's hash. A poisoned request is never hashed itself (it leaves the batch update before
+    `mark_complete_blocks`). SHARED is then prefilled whole, in the poisoned request's two
+    blocks, and a second SHARED reads its first block from the prefix cache that run rebuilt."""
     _assert_ended(chat(contained, POISONED, GREEDY))
     _assert_reference(contained, SHARED, references)
     _assert_reference(contained, SHARED, references)
