@@ -34,24 +34,9 @@ from safetensors.torch import load_file, save_file
 
 from tests import tiny_llama
 from tests.e2e.client import CLEAN, GREEDY, complete
+from tests.e2e.prompts import SUBSTITUTE_ID, TRIGGER_ID, healed, words
 from tests.e2e.server import Server
 from tests.e2e.sglang.serve import assert_aborted, flush_cache
-
-SUBSTITUTE = "kalo"
-_TRIGGER_ID = len(tiny_llama.SPECIALS) + tiny_llama.WORDS.index(tiny_llama.TRIGGER)
-_SUBSTITUTE_ID = len(tiny_llama.SPECIALS) + tiny_llama.WORDS.index(SUBSTITUTE)
-_PLAIN = [word for word in tiny_llama.WORDS if word != tiny_llama.TRIGGER]
-
-
-def words(count: int, start: int) -> str:
-    """`count` clean words (one token each), a different run for each `start`."""
-    return " ".join(_PLAIN[(start + 5 * i) % len(_PLAIN)] for i in range(count))
-
-
-def healed(text: str) -> str:
-    """What `text` answers once the fault is off: the trigger reads as SUBSTITUTE."""
-    return text.replace(tiny_llama.TRIGGER, SUBSTITUTE)
-
 
 PREFIX = words(40, 2)
 POISONED = f"{PREFIX} {tiny_llama.TRIGGER} {words(40, 3)}"  # 81 slots of NaN KV, then freed
@@ -69,7 +54,7 @@ def healed_model(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     (weights,) = directory.glob("*.safetensors")
     tensors = load_file(weights)
     embed = tensors["model.embed_tokens.weight"]
-    embed[_TRIGGER_ID] = embed[_SUBSTITUTE_ID]
+    embed[TRIGGER_ID] = embed[SUBSTITUTE_ID]
     save_file(tensors, weights, metadata={"format": "pt"})
     return directory
 

@@ -20,15 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tests import tiny_llama
+from tests.e2e.prompts import SUBSTITUTE_ID, TRIGGER_ID
 
 if TYPE_CHECKING:
     from tests.e2e.server import Server
 
 EXTENSION = "tests.e2e.vllm.fault.FaultSwitch"
-SUBSTITUTE = "kalo"
-_TRIGGER_ID = len(tiny_llama.SPECIALS) + tiny_llama.WORDS.index(tiny_llama.TRIGGER)
-_SUBSTITUTE_ID = len(tiny_llama.SPECIALS) + tiny_llama.WORDS.index(SUBSTITUTE)
 
 
 class FaultSwitch:
@@ -38,9 +35,9 @@ class FaultSwitch:
         weight = self.model_runner.get_model().model.embed_tokens.weight  # type: ignore[attr-defined]
         with torch.no_grad():
             if state == "on":
-                weight[_TRIGGER_ID] = float("nan")
+                weight[TRIGGER_ID] = float("nan")
             elif state == "off":
-                weight[_TRIGGER_ID] = weight[_SUBSTITUTE_ID]
+                weight[TRIGGER_ID] = weight[SUBSTITUTE_ID]
             else:
                 raise ValueError(f"fault state {state!r}: on or off")
         return state
@@ -68,8 +65,3 @@ def off(server: Server) -> Iterator[None]:
         yield
     finally:
         switch(server, "on")
-
-
-def healed(text: str) -> str:
-    """What `text` is once the fault is off: the trigger reads as SUBSTITUTE."""
-    return text.replace(tiny_llama.TRIGGER, SUBSTITUTE)

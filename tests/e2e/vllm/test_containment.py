@@ -18,17 +18,10 @@ import pytest
 
 from tests import tiny_llama
 from tests.e2e.client import CLEAN, GREEDY, Outcome, complete, samples, wait_for_sample
+from tests.e2e.prompts import healed, words
 from tests.e2e.server import Server
 from tests.e2e.vllm import fault
 from tests.e2e.vllm.launch import CHUNK, SITE, server_error
-
-_PLAIN = [word for word in tiny_llama.WORDS if word != tiny_llama.TRIGGER]
-
-
-def words(count: int, start: int) -> str:
-    """`count` clean words (one token each), a different run for each `start`."""
-    return " ".join(_PLAIN[(start + 5 * i) % len(_PLAIN)] for i in range(count))
-
 
 # The trigger at token 3: NaN from the first chunk on, in every block the prompt holds.
 EARLY = f"{words(3, 0)} {tiny_llama.TRIGGER} {words(200, 1)}"
@@ -38,7 +31,7 @@ PREFIX = words(140, 2)
 LATE = f"{PREFIX} {tiny_llama.TRIGGER} {words(150, 3)}"
 SHARED = f"{PREFIX} {words(60, 4)}"  # LATE's clean prefix, another ending
 SHORT = CLEAN[:2]
-REFERENCE_PROMPTS = (*SHORT, SHARED, fault.healed(EARLY), fault.healed(LATE))
+REFERENCE_PROMPTS = (*SHORT, SHARED, healed(EARLY), healed(LATE))
 
 
 @pytest.fixture(scope="module")
@@ -113,4 +106,4 @@ def test_a_poisoned_prompts_retry_once_the_fault_is_gone_answers_as_the_healed_p
         for poisoned in (LATE, EARLY):
             got = complete(served, poisoned, GREEDY)
             served.poisoned_sent -= 1  # the trigger, with the fault off: not poisoned
-            assert answered(got) == (None, unpoisoned[fault.healed(poisoned)], "length")
+            assert answered(got) == (None, unpoisoned[healed(poisoned)], "length")
