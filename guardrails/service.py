@@ -58,7 +58,8 @@ class Guardrails:
         guards.close()                                 # or `with Guardrails(...) as guards:`
 
     Nothing waits for the device: counts reach the metrics and log events as the reporter
-    polls (every `reporting.every_calls` calls, and at `flush()` / `close()`).
+    polls (every `reporting.every_calls` calls, within `reporting.report_interval_s` of a
+    step by a background poll, and at `flush()` / `close()`).
 
     `registry` is the prometheus-client `CollectorRegistry` to register counters in (default:
     the global one); `clock` and `logger` exist for tests of the throttled log events.

@@ -1,6 +1,8 @@
 """Reporting: device counts -> host mirror -> Prometheus counters and throttled log events.
 
 - `mirror`: `DeviceCounts`, a site's counts on one device and their non-blocking host copy.
+- `poller`: `Poller`, the background thread that polls a reporter twice per
+  `report_interval_s`, so that counts reach the counters on an idle server too.
 - `reporter`: `Reporter`, which turns completed copies into counter increments and log
   events; it sees sites only through the `ReportedSite` protocol. Its parts:
   `series` (a site's series, per-device baselines and deltas), `throttle` (a site's log

@@ -25,13 +25,16 @@ Why `every_calls` defaults to 32: a tick costs about 2-2.5 us of host time on th
 10-20 us of launch overhead (estimated). Every 32 calls that is under 0.1 us per call on the
 CPU (a few per cent of a ~3 us site call) and under 1 us on CUDA, while the counters lag the
 device by at most 32 calls of the site (one copy more on CUDA): a fraction of a second at
-decode rates. The counts of an idle site's last calls are reported by `poll()` or `close()`.
+decode rates. The counts of an idle site's last calls are reported by the background poller
+(`guardrails.reporting.poller`, twice per `reporting.report_interval_s`), or by `poll()` or
+`close()`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -42,8 +45,9 @@ from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger, configure_json_logs
 from guardrails.names import REPORTING_ERROR_EVENT
-from guardrails.reporting import events, exposition, metrics
+from guardrails.reporting import events, exposition, metrics, mirror
 from guardrails.reporting.events import Event as _Event
+from guardrails.reporting.poller import Poller
 from guardrails.reporting.recorder import ReportingErrors
 from guardrails.reporting.series import SiteSeries
 from guardrails.reporting.throttle import LogThrottle
@@ -57,6 +61,8 @@ if TYPE_CHECKING:
     from guardrails.tracing.tracer import Trace
 
 __all__ = ["Observation", "ReportedSite", "Reporter"]
+
+_NO_POLLER: Any = object()  # starting one failed: not tried again
 
 
 class _Watched(Protocol):
@@ -154,6 +160,8 @@ class Reporter:
         self._rank_settled = False  # see _resolve_rank
         self._faults = ReportingErrors(self._metrics, self._logger)
         self._closed = False
+        # Started by the first guarded call (`sampling`), see guardrails.reporting.poller.
+        self._poller: Poller | None = None
         if settings.reporting.log_format == "json":
             configure_json_logs()
         port = settings.metrics.port
@@ -296,12 +304,43 @@ class Reporter:
         import (SGLang's HTTP server imports its sampler module before `launch_server`
         sets PROMETHEUS_MULTIPROC_DIR; importing prometheus-client there first kept that
         process's own series out of SGLang's /metrics)."""
+        if self._poller is None:
+            self._start_poller()
         if self._metrics.binding.is_open or self._closed:
             return
         outbox: list[_Event] = []
         with self._lock:
             self._open_metrics(outbox)
         self._deliver(outbox)
+
+    def _start_poller(self) -> None:
+        with self._lock:
+            if self._poller is not None or self._closed:
+                return
+            try:
+                self._poller = Poller(self, self._settings.reporting.report_interval_s / 2)
+            except Exception as exc:
+                # No thread to be had (a process at its limit): counts still reach the
+                # counters at ticks and at exit; the fault is counted and logged once.
+                self._poller = _NO_POLLER
+                self._fault("poll", exc)
+
+    def background_poll(self) -> None:
+        """The poller's call: `poll()` with the poller's copies on its own CUDA streams."""
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                devices = [
+                    counts.device
+                    for report in self._sites.values()
+                    for counts, _ in report.series.devices
+                ]
+                devices += [trace.device for trace in self._traces]
+            with mirror.side_streams(devices):
+                self._report_locked(exact=False)
+        except Exception as exc:
+            self._fault("poll", exc)
 
     def _open_metrics(self, outbox: list[_Event]) -> None:
         binding = self._metrics.binding
@@ -377,6 +416,7 @@ class Reporter:
 
     def close(self) -> None:
         """Flush, stop reporting and release the metrics server. Idempotent."""
+        self._stop_poller()
         self.flush()
         self._closed = True
         _live_reporters().discard(self)
@@ -384,6 +424,11 @@ class Reporter:
             exposition.release_server(self)
 
     # -- internals ------------------------------------------------------------------------
+
+    def _stop_poller(self) -> None:
+        poller = self._poller
+        if poller is not None and poller is not _NO_POLLER:
+            poller.stop()
 
     def _report_locked(self, *, exact: bool, wait: bool = True) -> None:
         if self._closed or not self._lock.acquire(blocking=wait):
@@ -647,11 +692,17 @@ class Reporter:
     def _after_fork_in_child(self) -> None:
         # The parent reports what was counted before the fork; a forked child reports only
         # its own calls (in multiprocess mode both write their own files, which are summed).
+        # The parent's poller thread is not in the child: a new one, if the parent had one
+        # (the child's calls go on from the parent's count, so no first call would start it).
         self._reporting = False
+        polling = self._poller is not None and self._poller is not _NO_POLLER
+        self._poller = None
         for report in self._sites.values():
             calls = report.site.calls
             report.series.restart(calls)
             report.throttle.restart(calls)
+        if polling and not self._closed:
+            self._start_poller()  # on the child's own baselines
 
 
 # -- interpreter exit and fork -------------------------------------------------------------
@@ -674,13 +725,36 @@ def _live_reporters() -> _process.Live[Reporter]:
 
 
 def _flush_at_exit() -> None:
-    for reporter in list(_live or ()):
+    reporters = list(_live or ())
+    for reporter in reporters:
+        reporter._stop_poller()  # no poll runs during the exit flush
+    for reporter in reporters:
         reporter.flush()
 
 
 def _after_fork_in_child() -> None:
+    _held_at_fork.clear()  # the child's locks are new ones (guardrails._process)
     for reporter in list(_live or ()):
         reporter._after_fork_in_child()
 
 
+# A fork while a background poll is inside prometheus-client would leave that library's own
+# lock held in the child for good (its next increment of the series would block): the
+# forking thread waits for a poll in progress, at most a second, and the parent goes on.
+_held_at_fork: list[Reporter] = []
+_FORK_WAIT_S = 1.0
+
+
+def _before_fork() -> None:
+    for reporter in list(_live or ()):
+        if reporter._poller is not None and reporter._lock.acquire(timeout=_FORK_WAIT_S):
+            _held_at_fork.append(reporter)
+
+
+def _after_fork_in_parent() -> None:
+    while _held_at_fork:
+        _held_at_fork.pop()._lock.release()
+
+
 _process.after_fork("reporters", _after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from guardrails import _process
 
-__all__ = ["DeviceCounts", "capturing_on", "outside_captures"]
+__all__ = ["DeviceCounts", "capturing_on", "outside_captures", "side_streams"]
 
 _THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
 _exchange: Callable[[ctypes.c_int], int] | None = None
@@ -69,6 +69,26 @@ def outside_captures() -> Iterator[None]:
         exchange(mode)  # `mode` now holds the previous one
 
 
+_side: dict[torch.device, torch.cuda.Stream] = {}
+_side_lock = _process.module_lock(__name__, "_side_lock")
+
+
+@contextlib.contextmanager
+def side_streams(devices: Iterable[torch.device]) -> Iterator[None]:
+    """Make a side stream of guardrails' own the calling thread's current stream on each CUDA
+    device in `devices` (the background poller's copies and event records go there, never
+    onto an engine's stream). A no-op for other devices."""
+    with contextlib.ExitStack() as stack:
+        for device in dict.fromkeys(d for d in devices if d.type == "cuda"):
+            with _side_lock:
+                stream = _side.get(device)
+                if stream is None:
+                    with outside_captures():
+                        stream = _side[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            stack.enter_context(torch.cuda.stream(stream))
+        yield
+
+
 def capturing_on(device: torch.device) -> bool:
     """Whether the calling thread's current stream *of `device`* is capturing a CUDA graph.
 
@@ -92,10 +112,22 @@ class DeviceCounts:
     host memory, so `latest()` reads it directly.
     """
 
-    __slots__ = ("_event", "_last", "_mirror", "_pending", "counts", "device")
+    __slots__ = (
+        "__weakref__",
+        "_event",
+        "_last",
+        "_lock",
+        "_mirror",
+        "_pending",
+        "counts",
+        "device",
+    )
 
     def __init__(self, device: torch.device, slots: int) -> None:
         self.device = device
+        # CUDA: one copy in flight, asked for by a site's tick (serving thread) or by a poll
+        # (any thread, the background poller's included). A request never waits for it.
+        self._lock = _process.lock(self, "_lock")
         self._last = [0] * slots
         self._pending = False
         with torch.inference_mode(False):
@@ -113,25 +145,35 @@ class DeviceCounts:
         """Start a copy of the device counts to the host unless one is in flight."""
         if self._event is None or self._pending:
             return
-        # On the counts' device, whichever device is current in the calling thread.
-        with outside_captures(), torch.cuda.device(self.device):
-            if torch.cuda.is_current_stream_capturing():
-                # A copy recorded into a graph would replay forever; count on replay only.
+        if not self._lock.acquire(blocking=False):
+            return  # another thread is asking for one now
+        try:
+            if self._pending:
                 return
-            self._mirror.copy_(self.counts, non_blocking=True)
-            self._event.record()
-        self._pending = True
+            # On the counts' device, whichever device is current in the calling thread, on
+            # that thread's current stream there.
+            with outside_captures(), torch.cuda.device(self.device):
+                if torch.cuda.is_current_stream_capturing():
+                    # A copy recorded into a graph would replay forever; count on replay only.
+                    return
+                self._mirror.copy_(self.counts, non_blocking=True)
+                self._event.record()
+            self._pending = True
+        finally:
+            self._lock.release()
 
     def latest(self) -> list[int]:
         """The newest host copy; never waits for the device."""
         if self._event is None:
             return [int(v) for v in self.counts.tolist()]
         if self._pending:
-            with outside_captures():
-                done = self._event.query()  # type: ignore[no-untyped-call]
-            if done:
-                self._pending = False
-                self._last = [int(v) for v in self._mirror.tolist()]
+            with self._lock:
+                if self._pending:
+                    with outside_captures():
+                        done = self._event.query()  # type: ignore[no-untyped-call]
+                    if done:
+                        self._last = [int(v) for v in self._mirror.tolist()]
+                        self._pending = False
         return self._last
 
     def exact(self) -> list[int]:

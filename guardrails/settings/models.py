@@ -253,6 +253,14 @@ class ReportingSettings(_Frozen):
             "calls of a site between non-blocking copies of its counts to the host",
         ),
     ] = 32
+    report_interval_s: Annotated[
+        PositiveFinite,
+        setting(
+            "a finite number of seconds > 0",
+            "longest time before a guarded step's counts and events reach the counters and "
+            "logs, whether or not another guarded call comes (a background poll)",
+        ),
+    ] = 2.0
 
 
 class MetricsSettings(_Frozen):

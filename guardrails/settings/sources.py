@@ -56,6 +56,7 @@ ENV_VARS: Mapping[str, EnvVar] = {
         EnvVar("GUARDRAILS_LOG_INTERVAL_S", ("reporting", "log_interval_s")),
         EnvVar("GUARDRAILS_LOG_FORMAT", ("reporting", "log_format")),
         EnvVar("GUARDRAILS_REPORT_EVERY", ("reporting", "every_calls")),
+        EnvVar("GUARDRAILS_REPORT_INTERVAL_S", ("reporting", "report_interval_s")),
         EnvVar("GUARDRAILS_METRICS_PORT", ("metrics", "port")),
         EnvVar("GUARDRAILS_METRICS_ADDR", ("metrics", "addr")),
         EnvVar("GUARDRAILS_METRICS_LABELS", ("metrics", "labels"), is_list=True),

@@ -169,6 +169,11 @@ class Trace(Removable):
         state: torch.Tensor = getattr(self._model, self.buffer)
         return state
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's buffer (where reading it copies from)."""
+        return self._raw().device
+
     def _state(self) -> torch.Tensor:
         """The buffer's float64 rows (a view: writes land in the model's buffer), made again
         only when the model's buffer is another tensor (`model.to(device)`)."""

@@ -135,3 +135,78 @@ def test_polls_from_another_thread_leave_a_global_mode_capture_intact(action: st
     torch.cuda.synchronize()
     guards.close()
     assert nan_count(registry) == 6
+
+
+# -- the background poller (reporting.report_interval_s) ------------------------------------
+
+
+def eventually_nan(registry: CollectorRegistry, want: float, timeout_s: float = 20.0) -> float:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    got = nan_count(registry) or 0.0
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+        got = nan_count(registry) or 0.0
+    return got
+
+
+def test_an_idle_sites_counts_arrive_by_the_poller_alone() -> None:
+    """No tick, no poll, no synchronize: the poller's side-stream copy brings them."""
+    registry = CollectorRegistry()
+    reporting = {"every_calls": 1_000_000, "report_interval_s": 0.1}
+    guards = fresh_guardrails(registry=registry, reporting=reporting)
+    site = guards.site(LOGITS, device="cuda")
+    for _ in range(3):
+        logits = torch.randn(4, 256, device="cuda")
+        logits[1, :5] = math.nan
+        site(logits)
+    assert eventually_nan(registry, 15.0) == 15.0
+    guards.close()
+
+
+def test_graph_replays_reach_the_counters_with_no_python_call() -> None:
+    pytest.importorskip("triton")
+    registry = CollectorRegistry()
+    reporting = {"every_calls": 1_000_000, "report_interval_s": 0.1}
+    guards = fresh_guardrails(registry=registry, reporting=reporting)
+    site = guards.site(LOGITS, device="cuda", capacity=4)
+    static = torch.randn(4, 2048, device="cuda")
+    site(static.clone())  # buffers and kernels before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        site(static)
+    static[1, :2] = math.nan
+    for _ in range(4):
+        graph.replay()
+    assert eventually_nan(registry, 8.0) == 8.0
+    guards.close()
+
+
+def test_background_polls_leave_a_global_mode_capture_intact() -> None:
+    """The poller polls every 10 ms while the serving thread captures in global mode."""
+    import time
+
+    pytest.importorskip("triton")
+    registry = CollectorRegistry()
+    reporting = {"every_calls": 1_000_000, "report_interval_s": 0.02}
+    guards = fresh_guardrails(registry=registry, reporting=reporting)
+    site = guards.site(LOGITS, device="cuda", capacity=4)
+    static = torch.randn(4, 2048, device="cuda")
+    site(static.clone())  # starts the poller
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="global"):
+        site(static)
+        time.sleep(0.5)  # about 50 background polls inside the capture
+    errors = registry.get_sample_value(
+        "guardrails_reporting_errors_total", {"stage": "poll", "rank": "0"}
+    )
+    assert not errors
+    static[1, :2] = math.nan
+    for _ in range(3):
+        graph.replay()
+    assert eventually_nan(registry, 6.0) == 6.0
+    guards.close()
+    assert nan_count(registry) == 6

@@ -327,6 +327,7 @@ ENV_ACCEPTED: dict[str, list[str]] = {
     "GUARDRAILS_DISABLED_SITES": ["", "eagle.*", "sampler.token_ids", "sampler.*", "*.logits"],
     "GUARDRAILS_MIN_TEMPERATURE": ["1e-5", "0.01", "1"],
     "GUARDRAILS_LOG_INTERVAL_S": ["60", "0.5"],
+    "GUARDRAILS_REPORT_INTERVAL_S": ["2", "0.25"],
     "GUARDRAILS_LOG_FORMAT": ["host", "json"],
     "GUARDRAILS_REPORT_EVERY": ["1", "32", "1000000"],
     "GUARDRAILS_METRICS_PORT": ["0"],  # a served port is a fault test of its own
@@ -346,6 +347,7 @@ ENV_REJECTED: dict[str, list[str]] = {
     "GUARDRAILS_DISABLED_SITES": ["nope", "*.nothing"],
     "GUARDRAILS_MIN_TEMPERATURE": ["0", "-1", "nan", "inf", "1e-5s"],
     "GUARDRAILS_LOG_INTERVAL_S": ["0", "1e400", "-1"],
+    "GUARDRAILS_REPORT_INTERVAL_S": ["0", "inf", "nan", "-2", "2s"],
     "GUARDRAILS_LOG_FORMAT": ["HOST", "xml"],
     "GUARDRAILS_REPORT_EVERY": ["0", "1e3", "1000001"],
     "GUARDRAILS_METRICS_PORT": ["65536", "-1", "http"],

@@ -33,6 +33,7 @@ GOOD_AND_BAD = {
     "GUARDRAILS_CONFIG_FILE": ("", ("config_file",), None, "/nonexistent/guardrails.toml"),
     "GUARDRAILS_MIN_TEMPERATURE": ("0.05", ("min_temperature",), 0.05, "0"),
     "GUARDRAILS_LOG_INTERVAL_S": ("2.5", ("reporting", "log_interval_s"), 2.5, "-1"),
+    "GUARDRAILS_REPORT_INTERVAL_S": ("0.5", ("reporting", "report_interval_s"), 0.5, "0"),
     "GUARDRAILS_LOG_FORMAT": ("json", ("reporting", "log_format"), "json", "xml"),
     "GUARDRAILS_REPORT_EVERY": ("8", ("reporting", "every_calls"), 8, "0"),
     "GUARDRAILS_METRICS_PORT": ("9400", ("metrics", "port"), 9400, "70000"),

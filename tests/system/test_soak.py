@@ -20,6 +20,7 @@ import torch
 from guardrails.testing import fresh_guardrails
 from tests.system.workloads import (
     MAX_HEAP_GROWTH,
+    MAX_OPEN_INSTANCES,
     MAX_RSS_GROWTH,
     SHARED_SITE,
     KillResult,
@@ -83,8 +84,10 @@ def test_soak_resident_memory_stays_flat(soaked: SoakResult) -> None:
     assert soaked.rss_growth_bytes < MAX_RSS_GROWTH
 
 
-def test_soak_starts_no_thread_and_leaves_none(soaked: SoakResult) -> None:
+def test_soak_starts_only_its_pollers_and_leaves_no_thread(soaked: SoakResult) -> None:
+    # Besides the soak's own threads: one report poller per open instance, none after close.
     assert soaked.threads_max == soaked.threads_before + SOAK.threads
+    assert 1 <= soaked.pollers_max <= MAX_OPEN_INSTANCES
     assert soaked.threads_after == soaked.threads_before
 
 

@@ -58,6 +58,10 @@ SHARED_SITE = "soak.shared"
 # tensor memory would add 3 MiB over 50,000 calls.
 MAX_HEAP_GROWTH = 256 * 1024
 MAX_RSS_GROWTH = 16 * 1024 * 1024
+# guardrails' one thread per sampling instance (`guardrails.reporting.poller`); the soak has
+# at most two instances open at once (the new one, and the old until no thread calls it).
+POLLER_THREAD = "guardrails-report-poller"
+MAX_OPEN_INSTANCES = 2
 
 
 # -- soak: threads, injections, instances closed and re-created mid-run ---------------------
@@ -146,7 +150,8 @@ class SoakResult:
     wrong_flag_calls: int = 0
     worker_errors: list[str] = field(default_factory=list)
     threads_before: int = 0
-    threads_max: int = 0
+    threads_max: int = 0  # besides guardrails' report pollers, counted apart
+    pollers_max: int = 0  # one per open instance that has sampled: at most 2 open at once
     threads_after: int = 0
     heap_growth_bytes: int = 0
     rss_growth_bytes: int | None = None
@@ -191,6 +196,8 @@ class SoakResult:
             out.append(f"threads: {self.threads_before} before, {self.threads_after} after")
         if self.threads_max > self.threads_before + self.config.threads:
             out.append(f"threads: up to {self.threads_max} alive during the run")
+        if self.pollers_max > MAX_OPEN_INSTANCES:
+            out.append(f"report pollers: up to {self.pollers_max} alive during the run")
         return out
 
 
@@ -317,7 +324,9 @@ def soak(config: SoakConfig) -> SoakResult:
         next_switch = step
         while any(worker.is_alive() for worker in workers):
             time.sleep(0.002)
-            result.threads_max = max(result.threads_max, threading.active_count())
+            pollers = sum(t.name == POLLER_THREAD for t in threading.enumerate())
+            result.pollers_max = max(result.pollers_max, pollers)
+            result.threads_max = max(result.threads_max, threading.active_count() - pollers)
             if sum(done) < next_switch or opened >= config.generations:
                 continue
             opened += 1
