@@ -199,6 +199,28 @@ def wait_for_sample(
     return value
 
 
+def settled(
+    server: Server, name: str, expected: float = 0.0, hold_s: float = 1.5, **labels: str
+) -> float:
+    """A guardrails sample once it reaches `expected` and holds for `hold_s` (what earlier
+    steps counted has all arrived: a baseline)."""
+    value = wait_for_sample(server, name, expected, **labels)
+    time.sleep(hold_s)
+    return wait_for_sample(server, name, value, **labels)
+
+
+def arrival_s(server: Server, name: str, expected: float, **labels: str) -> float:
+    """Seconds until the sample reaches `expected`, read every 50 ms (at most 60 s: then
+    `inf`). With nothing else sent meanwhile, this is how long the counts took to come."""
+    start = time.monotonic()
+    deadline = start + 60.0
+    while time.monotonic() < deadline:
+        if sample(server, name, **labels) >= expected:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return float("inf")
+
+
 def families(server: Server) -> set[str]:
     """The metric family names on the server's /metrics."""
     return {family.name for family in text_string_to_metric_families(server.metrics())}

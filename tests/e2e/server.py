@@ -35,6 +35,14 @@ PROFILES = ROOT / "config" / "profiles"
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
+# Reporting by time alone: no site ever ticks (a million calls between copies), so every count
+# a test reads on such a server reached /metrics through the background poll, within
+# REPORT_INTERVAL_S of its step, and nothing else.
+REPORT_INTERVAL_S = 0.5
+BY_TIME_ONLY = {
+    "GUARDRAILS_REPORT_EVERY": "1000000",
+    "GUARDRAILS_REPORT_INTERVAL_S": str(REPORT_INTERVAL_S),
+}
 
 
 def free_port() -> int:

@@ -59,15 +59,17 @@ def serving(
     env: Mapping[str, str] | None = None,
 ) -> Iterator[Server]:
     """The server for the block (guarded unless `guarded_run` is false), stopped at its end;
-    `extra` goes to launch_server, `env` into the server's environment."""
+    `extra` goes to launch_server, `env` into the server's environment (over the guarded
+    settings)."""
     port = free_port()
     launch = [str(BIN / "python"), "-m", "sglang.launch_server", "--model-path", str(model)]
     launch += [*CPU_ARGS, "--enable-metrics", "--host", "127.0.0.1", "--port", str(port), *extra]
     # `guardrails run` puts its bootstrap directory first and keeps these after it.
     path = [str(stub) for stub in STUBS] + [p for p in [os.environ.get("PYTHONPATH")] if p]
-    settings = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.pathsep.join(path), **(env or {})}
+    settings = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.pathsep.join(path)}
     if guarded_run:
         settings.update(GUARDED_SETTINGS)
+    settings.update(env or {})  # the caller's word is the last
     with running(
         guarded("sglang", launch) if guarded_run else launch,
         log,

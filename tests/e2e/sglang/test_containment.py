@@ -19,6 +19,9 @@ The fault is switched off and on through SGLang's own `POST /update_weights_from
 whose trigger row is a copy of SUBSTITUTE's, on loads the poisoned model again. Every reference
 is the same server's greedy answer before any poisoned request, with the prefix cache flushed
 afterwards so that the later prompts compute their KV again in reused slots.
+
+This module's server reports by time alone (`BY_TIME_ONLY`): the last test checks that one
+poisoned request on the idle server reaches SGLang's /metrics within seconds.
 """
 
 from __future__ import annotations
@@ -33,16 +36,24 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests import tiny_llama
-from tests.e2e.client import CLEAN, GREEDY, complete
+from tests.e2e.client import CLEAN, GREEDY, arrival_s, complete, settled
 from tests.e2e.prompts import SUBSTITUTE_ID, TRIGGER_ID, healed, words
-from tests.e2e.server import Server
-from tests.e2e.sglang.serve import assert_aborted, flush_cache
+from tests.e2e.server import BY_TIME_ONLY, REPORT_INTERVAL_S, Server
+from tests.e2e.sglang.serve import assert_aborted, flush_cache, serving
 
 PREFIX = words(40, 2)
 POISONED = f"{PREFIX} {tiny_llama.TRIGGER} {words(40, 3)}"  # 81 slots of NaN KV, then freed
 SHARED = f"{PREFIX} {words(20, 4)}"  # the poisoned prompt's clean prefix, another ending
 SHORT = CLEAN[:2]
 REFERENCE_PROMPTS = (*SHORT, SHARED)
+
+
+@pytest.fixture(scope="module")
+def guarded(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The guarded server (conftest.py's), its counts reported by time alone."""
+    log = tmp_path_factory.mktemp("contained") / "server.log"
+    with serving(model_dir, log, env=BY_TIME_ONLY) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +138,18 @@ def test_the_poisoned_prompts_retry_once_the_fault_is_gone_answers_as_unpoisoned
     # hit), so only once it is flushed does the prompt read the NaN row again.
     assert flush_cache(guarded)[0] == 200
     assert_aborted(complete(guarded, POISONED, GREEDY))
+
+
+def test_an_idle_servers_poisoned_request_reaches_metrics_within_seconds(
+    guarded: Server,
+) -> None:
+    """One poisoned request, then silence: no site ticks, so only the scheduler's background
+    poll can bring its flagged rows to SGLang's /metrics."""
+    reason = {"site": "sampler.logits", "reason": "no_valid_token"}
+    before = settled(guarded, "guardrails_flagged_rows_total", **reason)
+    assert_aborted(complete(guarded, POISONED, GREEDY, 1))  # one step: one flagged row
+    took = arrival_s(guarded, "guardrails_flagged_rows_total", before + 1, **reason)
+    print(f"flagged row on /metrics {took:.2f} s after the answer (interval {REPORT_INTERVAL_S} s)")
+    # The bound is the interval; the slack is for a loaded 2-core machine's scrapes.
+    assert took <= REPORT_INTERVAL_S + 10.0, took
+    assert settled(guarded, "guardrails_flagged_rows_total", **reason) == before + 1

@@ -17,7 +17,7 @@ import pytest
 
 from tests import tiny_llama
 from tests.e2e.client import CLEAN, GREEDY, POISONED, Outcome, chat, complete, families, stream
-from tests.e2e.server import ROOT, Server
+from tests.e2e.server import BY_TIME_ONLY, ROOT, Server
 from tests.e2e.vllm import fault
 from tests.e2e.vllm.launch import CHUNK, vllm_server
 
@@ -61,10 +61,12 @@ def served(
     model_dir: Path, reference: Reference, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     """The guarded server, with vLLM's defaults (prefix caching, chunked prefill, compiled),
-    prefill chunks of one KV block (128 tokens, as the CPU backend's), and the test-only
-    fault switch (tests/e2e/vllm/fault.py) on its dev endpoint. One for the session: its
-    tests hold whatever order they run in (a poisoned request's KV reaches no other). Started
-    once the unguarded reference has been taken and its server stopped."""
+    prefill chunks of one KV block (128 tokens, as the CPU backend's), the test-only
+    fault switch (tests/e2e/vllm/fault.py) on its dev endpoint, and counts reported by time
+    alone (`BY_TIME_ONLY`: what its tests read of guardrails' series came by the poll). One
+    for the session: its tests hold whatever order they run in (a poisoned request's KV
+    reaches no other). Started once the unguarded reference has been taken and its server
+    stopped."""
     with vllm_server(
         model_dir,
         tmp_path_factory.mktemp("vllm") / "server.log",
@@ -72,6 +74,7 @@ def served(
         str(CHUNK),
         "--worker-extension-cls",
         fault.EXTENSION,
+        settings=BY_TIME_ONLY,
         env={"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ROOT)},
     ) as server:
         yield server

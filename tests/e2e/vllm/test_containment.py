@@ -12,12 +12,10 @@ conftest.py).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests import tiny_llama
-from tests.e2e.client import CLEAN, GREEDY, Outcome, complete, samples, wait_for_sample
+from tests.e2e.client import CLEAN, GREEDY, Outcome, complete, samples, settled
 from tests.e2e.prompts import healed, words
 from tests.e2e.server import Server
 from tests.e2e.vllm import fault
@@ -50,13 +48,6 @@ def unpoisoned(served: Server) -> dict[str, str]:
 def total(server: Server, name: str) -> float:
     """A sample summed over its label sets (vLLM's carry model and engine labels)."""
     return sum(value for (sample, _), value in samples(server).items() if sample == name)
-
-
-def settled(server: Server, name: str, expected: float = 0.0, **labels: str) -> float:
-    """A guardrails sample once it reaches `expected` and holds for a second."""
-    value = wait_for_sample(server, name, expected, **labels)
-    time.sleep(1.0)
-    return wait_for_sample(server, name, value, **labels)
 
 
 def answered(outcome: Outcome) -> tuple[object, str, str | None]:

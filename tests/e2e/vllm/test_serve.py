@@ -18,6 +18,7 @@ from tests.e2e.client import (
     GREEDY,
     POISONED,
     SAMPLED,
+    arrival_s,
     chat,
     complete,
     families,
@@ -25,11 +26,12 @@ from tests.e2e.client import (
     join,
     not_called,
     sample,
+    settled,
     stream,
     stream_completion,
     wait_for_sample,
 )
-from tests.e2e.server import Server
+from tests.e2e.server import REPORT_INTERVAL_S, Server
 from tests.e2e.vllm.conftest import Reference
 from tests.e2e.vllm.launch import SITE, server_error
 
@@ -119,6 +121,21 @@ def test_the_server_stays_up_and_counts_each_poisoned_request(served: Server) ->
     assert nan == sent * tiny_llama.VOCAB
     assert sample(served, "guardrails_guard_calls_total", **SITE) > sent
     assert sample(served, "guardrails_guard_calls_total", site="sampler.token_ids") > sent
+
+
+def test_an_idle_servers_poisoned_request_reaches_metrics_within_seconds(
+    served: Server,
+) -> None:
+    """One poisoned request, then silence: no sampler call ticks (BY_TIME_ONLY), so only the
+    worker's background poll can bring its flagged row to /metrics."""
+    reason = {"reason": "no_valid_token", **SITE}
+    before = settled(served, "guardrails_flagged_rows_total", **reason)
+    assert server_error(complete(served, POISONED[0], GREEDY))
+    took = arrival_s(served, "guardrails_flagged_rows_total", before + 1, **reason)
+    print(f"flagged row on /metrics {took:.2f} s after the answer (interval {REPORT_INTERVAL_S} s)")
+    # The bound is the interval; the slack is for a loaded 2-core machine's scrapes.
+    assert took <= REPORT_INTERVAL_S + 10.0, took
+    assert settled(served, "guardrails_flagged_rows_total", **reason) == before + 1
 
 
 def test_the_step_vllm_runs_is_the_one_guarded(served: Server) -> None:
