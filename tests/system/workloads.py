@@ -149,10 +149,15 @@ class SoakResult:
     # Calls whose returned row flags were not the oracle's for that call's own tensor.
     wrong_flag_calls: int = 0
     worker_errors: list[str] = field(default_factory=list)
+    # Threads besides guardrails' report pollers, which are counted apart: the soak's
+    # instances start at most one each (at most 2 open at once), and earlier instances of the
+    # process (other tests') may have theirs running, or ending, meanwhile.
     threads_before: int = 0
-    threads_max: int = 0  # besides guardrails' report pollers, counted apart
-    pollers_max: int = 0  # one per open instance that has sampled: at most 2 open at once
+    threads_max: int = 0
     threads_after: int = 0
+    pollers_before: int = 0
+    pollers_max: int = 0  # the most alive at once during the run, beyond pollers_before
+    pollers_after: int = 0
     heap_growth_bytes: int = 0
     rss_growth_bytes: int | None = None
 
@@ -197,8 +202,17 @@ class SoakResult:
         if self.threads_max > self.threads_before + self.config.threads:
             out.append(f"threads: up to {self.threads_max} alive during the run")
         if self.pollers_max > MAX_OPEN_INSTANCES:
-            out.append(f"report pollers: up to {self.pollers_max} alive during the run")
+            out.append(f"report pollers: up to {self.pollers_max} more alive during the run")
+        if self.pollers_after > self.pollers_before:
+            out.append(f"report pollers: {self.pollers_before} before, {self.pollers_after} after")
         return out
+
+
+def _threads() -> tuple[int, int]:
+    """(threads alive besides guardrails' report pollers, report pollers alive)."""
+    alive = threading.enumerate()
+    pollers = sum(thread.name == POLLER_THREAD for thread in alive)
+    return len(alive) - pollers, pollers
 
 
 def _oracle(x: torch.Tensor, *, count_neginf: bool) -> tuple[torch.Tensor, list[int]]:
@@ -297,7 +311,7 @@ def soak(config: SoakConfig) -> SoakResult:
         return sum(done) * config.clock_s_per_call
 
     gc.collect()
-    result.threads_before = threading.active_count()
+    result.threads_before, result.pollers_before = _threads()
     generation = _Generation(1, config, registry, clock)
     closed: list[_Closed] = []
     opened = 1
@@ -324,9 +338,9 @@ def soak(config: SoakConfig) -> SoakResult:
         next_switch = step
         while any(worker.is_alive() for worker in workers):
             time.sleep(0.002)
-            pollers = sum(t.name == POLLER_THREAD for t in threading.enumerate())
-            result.pollers_max = max(result.pollers_max, pollers)
-            result.threads_max = max(result.threads_max, threading.active_count() - pollers)
+            threads, pollers = _threads()
+            result.pollers_max = max(result.pollers_max, pollers - result.pollers_before)
+            result.threads_max = max(result.threads_max, threads)
             if sum(done) < next_switch or opened >= config.generations:
                 continue
             opened += 1
@@ -354,7 +368,7 @@ def soak(config: SoakConfig) -> SoakResult:
         tracemalloc.stop()
     closed.append(_close(generation, clock))
     result.wall_s = time.perf_counter() - started
-    result.threads_after = threading.active_count()
+    result.threads_after, result.pollers_after = _threads()
     if heap_start is not None:
         result.heap_growth_bytes = heap_end - heap_start
     if rss_start is not None and rss_end is not None:
