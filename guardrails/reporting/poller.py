@@ -18,7 +18,8 @@ counters and the logs within the interval of the step, whether or not another ca
 
 The thread starts with the reporter's first guarded call (processes that never sample get
 none), holds the reporter weakly, stops at `close()` and at interpreter exit (before the exit
-flush), and is started afresh in a forked child at that child's next call.
+flush), and is started afresh in a forked child by the reporter's after-fork hook (the child's
+calls go on from the parent's count: no first call of its own would start it).
 """
 
 from __future__ import annotations
@@ -37,24 +38,18 @@ class _Polled(Protocol):
 class Poller:
     """Polls `owner.background_poll()` every `period_s` seconds until stopped."""
 
-    __slots__ = ("_stop", "_thread", "period_s")
+    __slots__ = ("_stop", "_thread")
 
     def __init__(self, owner: _Polled, period_s: float) -> None:
-        # A wait longer than the platform's lock timeout would raise in the thread.
-        period_s = min(period_s, threading.TIMEOUT_MAX)
-        self.period_s = period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=_run,
-            args=(weakref.ref(owner), self._stop, period_s),
+            # A wait longer than the platform's lock timeout would raise in the thread.
+            args=(weakref.ref(owner), self._stop, min(period_s, threading.TIMEOUT_MAX)),
             name="guardrails-report-poller",
             daemon=True,  # never keeps a server's process alive
         )
         self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop polling; waits for a poll in progress (not from the poller's own thread)."""

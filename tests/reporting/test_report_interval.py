@@ -9,7 +9,6 @@ counts arrive with nothing else happening, not how fast.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 import guardrails as gr
 from guardrails.testing import fresh_guardrails, inject_
 from tests.processes import ROOT, child_env
+from tests.system.fork_workload import child_status
 
 POLLER = "guardrails-report-poller"
 NEVER = 1_000_000  # every_calls: no tick in these tests
@@ -147,19 +147,6 @@ def test_a_disabled_guardrails_starts_no_poller(make: Callable[..., gr.Guardrail
     assert len(pollers()) == before
 
 
-def wait_or_kill(pid: int, timeout_s: float = 30.0) -> int | None:
-    """The child's exit status, or None if it hung (then it is killed)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forks_during_background_polls_leave_every_child_able_to_report(
     make: Callable[..., gr.Guardrails], registry: CollectorRegistry
@@ -184,7 +171,7 @@ def test_forks_during_background_polls_leave_every_child_able_to_report(
                 code = 0 if got == 6.0 else 3
             finally:
                 os._exit(code)
-        statuses.append(wait_or_kill(pid))
+        statuses.append(child_status(pid, 30.0))
     assert statuses == [0] * 20
 
 

@@ -6,11 +6,13 @@ Skipped without a GPU (marker `cuda`).
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from guardrails import Guardrails
 from guardrails.testing import fresh_guardrails
 
 pytestmark = pytest.mark.cuda
@@ -141,8 +143,6 @@ def test_polls_from_another_thread_leave_a_global_mode_capture_intact(action: st
 
 
 def eventually_nan(registry: CollectorRegistry, want: float, timeout_s: float = 20.0) -> float:
-    import time
-
     deadline = time.monotonic() + timeout_s
     got = nan_count(registry) or 0.0
     while got != want and time.monotonic() < deadline:
@@ -151,11 +151,16 @@ def eventually_nan(registry: CollectorRegistry, want: float, timeout_s: float = 
     return got
 
 
+def by_time(interval: float) -> tuple[Guardrails, CollectorRegistry]:
+    """An instance whose counts arrive by the background poll alone (no tick)."""
+    registry = CollectorRegistry()
+    reporting = {"every_calls": 1_000_000, "report_interval_s": interval}
+    return fresh_guardrails(registry=registry, reporting=reporting), registry
+
+
 def test_an_idle_sites_counts_arrive_by_the_poller_alone() -> None:
     """No tick, no poll, no synchronize: the poller's side-stream copy brings them."""
-    registry = CollectorRegistry()
-    reporting = {"every_calls": 1_000_000, "report_interval_s": 0.1}
-    guards = fresh_guardrails(registry=registry, reporting=reporting)
+    guards, registry = by_time(0.1)
     site = guards.site(LOGITS, device="cuda")
     for _ in range(3):
         logits = torch.randn(4, 256, device="cuda")
@@ -167,9 +172,7 @@ def test_an_idle_sites_counts_arrive_by_the_poller_alone() -> None:
 
 def test_graph_replays_reach_the_counters_with_no_python_call() -> None:
     pytest.importorskip("triton")
-    registry = CollectorRegistry()
-    reporting = {"every_calls": 1_000_000, "report_interval_s": 0.1}
-    guards = fresh_guardrails(registry=registry, reporting=reporting)
+    guards, registry = by_time(0.1)
     site = guards.site(LOGITS, device="cuda", capacity=4)
     static = torch.randn(4, 2048, device="cuda")
     site(static.clone())  # buffers and kernels before the capture
@@ -186,12 +189,8 @@ def test_graph_replays_reach_the_counters_with_no_python_call() -> None:
 
 def test_background_polls_leave_a_global_mode_capture_intact() -> None:
     """The poller polls every 10 ms while the serving thread captures in global mode."""
-    import time
-
     pytest.importorskip("triton")
-    registry = CollectorRegistry()
-    reporting = {"every_calls": 1_000_000, "report_interval_s": 0.02}
-    guards = fresh_guardrails(registry=registry, reporting=reporting)
+    guards, registry = by_time(0.02)
     site = guards.site(LOGITS, device="cuda", capacity=4)
     static = torch.randn(4, 2048, device="cuda")
     site(static.clone())  # starts the poller
