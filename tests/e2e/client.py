@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import tiny_llama
-from tests.e2e.server import Server
+from tests.e2e.server import REPORT_INTERVAL_S, Server
 
 REQUEST_TIMEOUT_S = 60.0
 CLEAN = ("kalo mipe rita", "nuso veta bogi", "fegi dara kami")
@@ -219,6 +220,19 @@ def arrival_s(server: Server, name: str, expected: float, **labels: str) -> floa
             return time.monotonic() - start
         time.sleep(0.05)
     return float("inf")
+
+
+def assert_reported_while_idle(server: Server, send_poisoned: Callable[[], None]) -> None:
+    """One poisoned request (`send_poisoned` sends it and checks the client's error), then
+    silence: its one flagged row reaches /metrics within the interval (the slack is for a
+    loaded 2-core machine's scrapes), and nothing more comes."""
+    rows = {"site": "sampler.logits", "reason": "no_valid_token"}
+    before = settled(server, "guardrails_flagged_rows_total", **rows)
+    send_poisoned()
+    took = arrival_s(server, "guardrails_flagged_rows_total", before + 1, **rows)
+    print(f"flagged row on /metrics {took:.2f} s after the answer (interval {REPORT_INTERVAL_S} s)")
+    assert took <= REPORT_INTERVAL_S + 10.0, took
+    assert settled(server, "guardrails_flagged_rows_total", **rows) == before + 1
 
 
 def families(server: Server) -> set[str]:

@@ -36,9 +36,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests import tiny_llama
-from tests.e2e.client import CLEAN, GREEDY, arrival_s, complete, settled
+from tests.e2e.client import CLEAN, GREEDY, assert_reported_while_idle, complete
 from tests.e2e.prompts import SUBSTITUTE_ID, TRIGGER_ID, healed, words
-from tests.e2e.server import BY_TIME_ONLY, REPORT_INTERVAL_S, Server
+from tests.e2e.server import BY_TIME_ONLY, Server
 from tests.e2e.sglang.serve import assert_aborted, flush_cache, serving
 
 PREFIX = words(40, 2)
@@ -143,13 +143,10 @@ def test_the_poisoned_prompts_retry_once_the_fault_is_gone_answers_as_unpoisoned
 def test_an_idle_servers_poisoned_request_reaches_metrics_within_seconds(
     guarded: Server,
 ) -> None:
-    """One poisoned request, then silence: no site ticks, so only the scheduler's background
-    poll can bring its flagged rows to SGLang's /metrics."""
-    reason = {"site": "sampler.logits", "reason": "no_valid_token"}
-    before = settled(guarded, "guardrails_flagged_rows_total", **reason)
-    assert_aborted(complete(guarded, POISONED, GREEDY, 1))  # one step: one flagged row
-    took = arrival_s(guarded, "guardrails_flagged_rows_total", before + 1, **reason)
-    print(f"flagged row on /metrics {took:.2f} s after the answer (interval {REPORT_INTERVAL_S} s)")
-    # The bound is the interval; the slack is for a loaded 2-core machine's scrapes.
-    assert took <= REPORT_INTERVAL_S + 10.0, took
-    assert settled(guarded, "guardrails_flagged_rows_total", **reason) == before + 1
+    """No site ticks (BY_TIME_ONLY): only the scheduler's background poll can bring the
+    poisoned request's flagged row to SGLang's /metrics."""
+
+    def send() -> None:
+        assert_aborted(complete(guarded, POISONED, GREEDY, 1))  # one step: one flagged row
+
+    assert_reported_while_idle(guarded, send)

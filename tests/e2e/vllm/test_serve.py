@@ -18,7 +18,7 @@ from tests.e2e.client import (
     GREEDY,
     POISONED,
     SAMPLED,
-    arrival_s,
+    assert_reported_while_idle,
     chat,
     complete,
     families,
@@ -26,12 +26,11 @@ from tests.e2e.client import (
     join,
     not_called,
     sample,
-    settled,
     stream,
     stream_completion,
     wait_for_sample,
 )
-from tests.e2e.server import REPORT_INTERVAL_S, Server
+from tests.e2e.server import Server
 from tests.e2e.vllm.conftest import Reference
 from tests.e2e.vllm.launch import SITE, server_error
 
@@ -126,16 +125,13 @@ def test_the_server_stays_up_and_counts_each_poisoned_request(served: Server) ->
 def test_an_idle_servers_poisoned_request_reaches_metrics_within_seconds(
     served: Server,
 ) -> None:
-    """One poisoned request, then silence: no sampler call ticks (BY_TIME_ONLY), so only the
-    worker's background poll can bring its flagged row to /metrics."""
-    reason = {"reason": "no_valid_token", **SITE}
-    before = settled(served, "guardrails_flagged_rows_total", **reason)
-    assert server_error(complete(served, POISONED[0], GREEDY))
-    took = arrival_s(served, "guardrails_flagged_rows_total", before + 1, **reason)
-    print(f"flagged row on /metrics {took:.2f} s after the answer (interval {REPORT_INTERVAL_S} s)")
-    # The bound is the interval; the slack is for a loaded 2-core machine's scrapes.
-    assert took <= REPORT_INTERVAL_S + 10.0, took
-    assert settled(served, "guardrails_flagged_rows_total", **reason) == before + 1
+    """No sampler call ticks (BY_TIME_ONLY): only the worker's background poll can bring the
+    poisoned request's flagged row to /metrics."""
+
+    def send() -> None:
+        assert server_error(complete(served, POISONED[0], GREEDY))
+
+    assert_reported_while_idle(served, send)
 
 
 def test_the_step_vllm_runs_is_the_one_guarded(served: Server) -> None:
