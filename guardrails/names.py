@@ -87,7 +87,8 @@ STARTED_EVENT: Final = "guardrails.started"  # once per Guardrails: what guards,
 SITE_NOT_CALLED_EVENT: Final = "guardrails.site_not_called"
 # An engine hook's own code failed at run time: counted, logged once per part, call unhooked.
 HOOK_ERROR_EVENT: Final = "guardrails.hook_error"
-# An engine hook ended requests through the engine's own path (a count, never request ids).
+# An engine hook ended a request through the engine's own path: one event per request, with the
+# engine's request id (never a label, never a prompt or token).
 REQUEST_ABORTED_EVENT: Final = "guardrails.request_aborted"
 # GUARDRAILS_METRICS_PORT is served by another process of the same process tree.
 METRICS_SERVED_ELSEWHERE_EVENT: Final = "guardrails.metrics_served_elsewhere"

@@ -37,6 +37,7 @@ from guardrails.logs import HostLogger
 from guardrails.names import validate_site_name
 from guardrails.reporting._reporter import Reporter
 from guardrails.reporting.hook_errors import HookErrors
+from guardrails.reporting.request_aborts import RequestAborts
 from guardrails.settings import GuardSettings
 
 if TYPE_CHECKING:
@@ -99,6 +100,8 @@ class Guardrails:
         self._attach_errors = AttachErrors(registry, host_logger, labels)
         # Engine hooks' own failures at run time: counted, logged once per part, not fatal.
         self._hook_errors = HookErrors(registry, host_logger, labels)
+        # The requests engine hooks end: counted, each named (its engine id) in an event.
+        self._request_aborts = RequestAborts(registry, host_logger, labels)
         # Dropped without close(): flush when collected, or at exit. A bound method of the
         # reporter, never of self, so that it does not keep this instance alive.
         self._finalizer = weakref.finalize(self, self._reporter.flush)
@@ -485,6 +488,11 @@ class Guardrails:
     def hook_errors(self) -> HookErrors:
         """Where this instance's engine hooks count their own failures."""
         return self._hook_errors
+
+    @property
+    def request_aborts(self) -> RequestAborts:
+        """Where this instance's engine hooks count and name the requests they end."""
+        return self._request_aborts
 
     def patches(self) -> list[PatchHandle]:
         """Import-path patches made through this instance: applied, pending or disabled."""

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import wrapt
 
 from guardrails.reporting.hook_errors import HookErrors
+from guardrails.reporting.request_aborts import RequestAborts
 
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
 
-__all__ = ["HookErrors", "MethodHook", "OnceLog"]
+__all__ = ["HookErrors", "MethodHook", "OnceLog", "request_aborts"]
 
 
 class MethodHook:
@@ -116,6 +117,7 @@ class MethodHook:
             self._owner, self._method = owner, method
             self.state = "applied"
             self._guards.hook_errors.prepare(self.hook)
+            self._guards.request_aborts.prepare_hook(self.hook)
         except Exception as exc:
             self.state = "error"
             self._guards.attach_errors.record(site=self.hook, target=self.path, error=exc)
@@ -136,6 +138,12 @@ class MethodHook:
 
     def __repr__(self) -> str:
         return f"<MethodHook {self.hook} {self.path} {self.state}>"
+
+
+def request_aborts(guards: Guardrails | None) -> RequestAborts:
+    """Where a hook half counts and names the requests it ends: its owner's, or (no owner,
+    a half built alone) the process's default series and the host's logging."""
+    return RequestAborts() if guards is None else guards.request_aborts
 
 
 class OnceLog:

@@ -20,7 +20,8 @@ attribute on the step's `LogitsProcessorOutput`:
   `logits_output`.
 - scheduler (`SchedulerBatchResultProcessor.process_batch_result_prefill` / `_decode`, before
   the call): each marked row's request (`batch.reqs[row]`) gets FINISH_ABORT (503) and
-  `skip_radix_cache_insert`; SGLang's own code then finishes and releases it.
+  `skip_radix_cache_insert`; SGLang's own code then finishes and releases it. Each is counted
+  and named by its `rid` (`guardrails.reporting.request_aborts`).
 
 Where the host reads the marks, and why that adds no sync: with overlap scheduling after
 `result.copy_done.synchronize()`, the event SGLang itself waits on first thing in the wrapped
@@ -38,15 +39,13 @@ do not map one to one onto requests; its logits are healed, not ended), and with
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from guardrails.integrations._hooks import MethodHook, OnceLog
-from guardrails.names import REQUEST_ABORTED_EVENT
+from guardrails.integrations._hooks import MethodHook, OnceLog, request_aborts
 
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
@@ -155,6 +154,7 @@ class _SchedulerHalf:
 
     def __init__(self, guards: Guardrails | None = None) -> None:
         self._failed = OnceLog(HOOK, "SchedulerBatchResultProcessor.process_batch_result_*", guards)
+        self._aborts = request_aborts(guards)
 
     def __call__(self, wrapped: Any, processor: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -186,23 +186,17 @@ class _SchedulerHalf:
             FINISH_ABORT,  # loaded by now: the scheduler imported it
         )
 
-        aborted = 0
         for row, poisoned in enumerate(rows):
             req = reqs[row]
             if not poisoned or req.finished() or req.to_finish is not None:
                 continue
             req.to_finish = FINISH_ABORT(ABORT_MESSAGE, ABORT_STATUS, ABORT_ERR_TYPE)
             req.skip_radix_cache_insert = True
-            aborted += 1
-        if aborted:
-            # A count, never the request ids: logs carry no request data (docs/reliability.md).
-            # Through the owner's logger (the host's logging), after the aborts are set.
-            with contextlib.suppress(Exception):
-                self._failed.logger.warning(
-                    REQUEST_ABORTED_EVENT,
-                    hook=HOOK,
-                    site=SITE,
-                    requests=aborted,
-                    status=int(ABORT_STATUS),
-                    rank=self._failed.rank,
-                )
+            self._aborts.record(
+                HOOK,
+                site=SITE,
+                reason="nonfinite_logits",
+                request_id=getattr(req, "rid", None),
+                status=int(ABORT_STATUS),
+                finish_reason="abort",
+            )

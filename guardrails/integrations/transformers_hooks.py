@@ -44,6 +44,12 @@ for its module's import (nothing here imports transformers):
   same HTTP 500 with a JSON body. The host reads the rows after transformers' own wait for the
   step's outputs (`retrieve_device_outputs`, or the async IO pair's event).
 
+Each ended request is counted and logged once (`guardrails.reporting.request_aborts`) with the
+id transformers serve gave it: in continuous batching the request's own; in plain serve the
+`request_id` that `GenerateManager.generate_streaming` / `generate_non_streaming` receive, set
+in a context variable there and carried into the job `InferenceThread.submit` / `async_submit`
+hands to the inference thread (where `generate()` runs); a bare `generate()` has none (None).
+
 Any exception of ours is logged once per half and the engine's call goes on as if unhooked
 (the error raised on purpose excepted). Not covered: beam search and assisted decoding in
 `generate()` (they do not call `StopCheck`), `DeferredStopCheck` (MPS), CUDA-graph replays in
@@ -52,13 +58,14 @@ continuous batching (a replay runs no Python).
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from guardrails.integrations._hooks import MethodHook, OnceLog
+from guardrails.integrations._hooks import MethodHook, OnceLog, request_aborts
 
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
@@ -86,6 +93,11 @@ _BATCH_MODULE: Final = "transformers.generation.continuous_batching.continuous_a
 _BATCH_TARGET: Final = "ContinuousBatchProcessor.update_batch"
 _SERVE_MODULE: Final = "transformers.cli.serving.utils"
 _SERVE_TARGET: Final = "CBGenerateManager.generate_non_streaming"
+# Plain transformers serve: where the request id is known, and where generate() is handed to
+# the inference thread that runs it.
+_PLAIN_STREAM_TARGET: Final = "GenerateManager.generate_streaming"
+_PLAIN_TARGET: Final = "GenerateManager.generate_non_streaming"
+_SUBMIT_TARGETS: Final = ("InferenceThread.submit", "InferenceThread.async_submit")
 _CACHE_MODULE: Final = "transformers.generation.continuous_batching.cache"
 _CACHE_TARGET: Final = "PagedAttentionCache.update"
 # Where a step's abort rows wait on the IO buffers its results are read from.
@@ -140,6 +152,9 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
         (_IO_MODULE, _IO_TARGET, _UpdateFilterHalf(batch, guards), False),
         (_BATCH_MODULE, _BATCH_TARGET, batch, "update"),
         (_SERVE_MODULE, _SERVE_TARGET, _NonStreamingHalf(), False),
+        (_SERVE_MODULE, _PLAIN_STREAM_TARGET, _ServedIdHalf(), False),
+        (_SERVE_MODULE, _PLAIN_TARGET, _AsyncServedIdHalf(), False),
+        *((_SERVE_MODULE, target, _CarryIdHalf(), False) for target in _SUBMIT_TARGETS),
     ]
     return [
         MethodHook(guards, HOOK, module, target, half, enabled, expect_calls=expect)
@@ -208,6 +223,7 @@ class _StopHalf:
     def __init__(self, rows: _StepRows) -> None:
         self._rows = rows
         self._failed = OnceLog(HOOK, _STOP_TARGET, rows.guards)
+        self._aborts = request_aborts(rows.guards)
 
     def __call__(self, wrapped: Any, stop_check: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -221,7 +237,7 @@ class _StopHalf:
         if streamer is None:
             result = wrapped(*args, **kwargs)  # it waited for the step (unfinished.max())
             if self._poisoned(marks):
-                raise _error()
+                raise self.ended(None)
             return result
         # The streamer's put() receives tokens already on the host: reading the marks there
         # adds no wait, and raising there keeps the token from the stream.
@@ -238,6 +254,21 @@ class _StopHalf:
             self._failed(exc)
             return False
 
+    def ended(self, streamer: Any) -> PoisonedRequestError:
+        """The error that ends this `generate()` call, its request counted and named: by the
+        id a streamer carries or transformers serve handed to this thread (`_ServedIdHalf`),
+        else None (a bare `generate()` has none)."""
+        request_id = getattr(streamer, "request_id", None)
+        self._aborts.record(
+            HOOK,
+            site=SITE,
+            reason="nonfinite_logits",
+            request_id=_SERVED_ID.get() if request_id is None else request_id,
+            status=STATUS if sys.modules.get("starlette.exceptions") else None,
+            finish_reason=None,
+        )
+        return _error()
+
 
 class _Gate:
     """A streamer stand-in for one step: raises instead of streaming a poisoned step."""
@@ -247,7 +278,7 @@ class _Gate:
 
     def put(self, value: Any) -> None:
         if self._stop._poisoned(self._marks):
-            raise _error()
+            raise self._stop.ended(self._streamer)
         self._streamer.put(value)
 
     def __getattr__(self, name: str) -> Any:
@@ -337,6 +368,7 @@ class _BatchHalf:
 
     def __init__(self, guards: Guardrails) -> None:
         self._failed = OnceLog(HOOK, _BATCH_TARGET, guards)
+        self._aborts = request_aborts(guards)
         self.local = threading.local()
 
     def __call__(self, wrapped: Any, processor: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -354,14 +386,21 @@ class _BatchHalf:
                 self._failed(exc)
         return result
 
-    @staticmethod
-    def _fail(processor: Any, states: list[Any]) -> None:
+    def _fail(self, processor: Any, dropped: list[tuple[Any, str]]) -> None:
         error = _error()
-        for state in states:
+        for state, reason in dropped:
             processor._handle_request_error(error, state)  # FAILED, error=MESSAGE, delivered
             # Its KV holds healed or non-finite values: never reused as a cached prefix.
             processor.cache.free_blocks(state.request_id, no_cache=True)
             processor.scheduler.finish_request(state.request_id)
+            self._aborts.record(
+                HOOK,
+                site=SITE,
+                reason=reason,
+                request_id=state.request_id,
+                status=STATUS,
+                finish_reason=None,  # a stream gets an error event, no finish_reason
+            )
         processor.scheduler.block_new_requests = False  # blocks were freed, as a finish does
 
 
@@ -400,23 +439,26 @@ class _UpdateFilterHalf:
 
         done = (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.PENDING)
         kept, kept_tokens, kept_logprobs = [], [], []
-        dropped: list[Any] = self._batch.local.dropped
+        dropped: list[tuple[Any, str]] = self._batch.local.dropped
         row = position = 0
         for future_state in requests:
             span = future_state.query_length
-            poisoned = any(bad[position : position + span])
+            kv = any(bad[position : position + span])
             position += span
+            logits = False
             if future_state.has_new_token:
-                poisoned = poisoned or (row < len(rows) and bool(rows[row]))
-                if not poisoned:
+                # A request whose keys or values were non-finite has its row NaN (_SampleHalf).
+                logits = row < len(rows) and bool(rows[row])
+                if not (kv or logits):
                     kept_tokens.append(tokens[row])
                     if logprobs is not None:
                         kept_logprobs.append(logprobs[row])
                 row += 1
-            if not poisoned:
+            if not (kv or logits):
                 kept.append(future_state)
             elif future_state.state.status not in done:
-                dropped.append(future_state.state)
+                reason = "nonfinite_logits" if logits else "nonfinite_kv"
+                dropped.append((future_state.state, reason))
         return kept, kept_tokens, kept_logprobs if logprobs is not None else None
 
 
@@ -432,6 +474,67 @@ class _NonStreamingHalf:
             if MESSAGE in str(exc) and not isinstance(exc, PoisonedRequestError):
                 raise _error() from exc
             raise
+
+
+# The id of the request plain transformers serve is generating for, in the handler's context and
+# in the job it hands to its inference thread.
+_SERVED_ID: contextvars.ContextVar[object] = contextvars.ContextVar(
+    "guardrails_served_request_id", default=None
+)
+
+
+def _request_id_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+    # (model, processor, inputs, gen_config, request_id, ...)
+    return kwargs["request_id"] if "request_id" in kwargs else args[4]
+
+
+class _ServedIdHalf:
+    """Plain transformers serve, streaming: the request id is this call's (sync) context's."""
+
+    def __call__(self, wrapped: Any, manager: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        try:
+            token = _SERVED_ID.set(_request_id_argument(args, kwargs))
+        except Exception:  # an id we cannot find only leaves the event without one
+            return wrapped(*args, **kwargs)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _SERVED_ID.reset(token)
+
+
+class _AsyncServedIdHalf:
+    """Plain transformers serve, non-streaming: the request id is this coroutine's context's
+    (its task's own: concurrent requests never see each other's)."""
+
+    async def __call__(self, wrapped: Any, manager: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        try:
+            token = _SERVED_ID.set(_request_id_argument(args, kwargs))
+        except Exception:  # an id we cannot find only leaves the event without one
+            return await wrapped(*args, **kwargs)
+        try:
+            return await wrapped(*args, **kwargs)
+        finally:
+            _SERVED_ID.reset(token)
+
+
+class _CarryIdHalf:
+    """transformers serve's inference thread runs each submitted job with the id of the request
+    that submitted it (only that context variable: nothing else of the handler's context)."""
+
+    def __call__(self, wrapped: Any, thread: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        request_id = _SERVED_ID.get()
+        if request_id is None or not args:
+            return wrapped(*args, **kwargs)
+        fn, rest = args[0], args[1:]
+
+        def job(*job_args: Any, **job_kwargs: Any) -> Any:
+            token = _SERVED_ID.set(request_id)
+            try:
+                return fn(*job_args, **job_kwargs)
+            finally:
+                _SERVED_ID.reset(token)
+
+        return wrapped(job, *rest, **kwargs)
 
 
 class _HealKV:

@@ -37,7 +37,8 @@ one of vLLM's two model runners, so one runner half runs there and the other nev
   its KV blocks leave the prefix cache (`KVCacheManager.evict_blocks`: a retry of the same
   prompt recomputes instead of reading the poisoned KV back), and it ends as FINISHED_ERROR;
   its output carries finish_reason ERROR and the count, which vLLM's own stats mark as a
-  corrupted request.
+  corrupted request. Each is counted and named by its engine request id
+  (`guardrails.reporting.request_aborts`).
 - KV zeroing (the scheduler's `Scheduler.schedule`; the worker's V1
   `GPUModelRunner._zero_block_ids`, V2 `GPUModelRunner.update_requests`): the blocks the
   poisoned request's end freed are zeroed before any request can read them. vLLM's free queue
@@ -66,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 
 from guardrails.flags import RowFlag
-from guardrails.integrations._hooks import MethodHook, OnceLog
+from guardrails.integrations._hooks import MethodHook, OnceLog, request_aborts
 
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
@@ -450,6 +451,7 @@ class _SchedulerHalf:
         self._evict_failed = OnceLog(HOOK, "KVCacheManager.evict_blocks", guards)
         self._zero_failed = OnceLog(HOOK, "new_block_ids_to_zero", guards)
         self._freed = freed or _FreedBlocks()
+        self._aborts = request_aborts(guards)
 
     def __call__(self, wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -517,9 +519,22 @@ class _SchedulerHalf:
             self._freed.add(scheduler, self._now_free(scheduler, held))
         except Exception as exc:
             self._zero_failed(exc)
+        # The scheduler learns only that a request's rows were poisoned: under speculative
+        # decoding they may be its target (eagle.verify) rows or its sampled (bonus) rows.
+        site = f"{SITE},{VERIFY_SITE}" if getattr(scheduler, "num_spec_tokens", 0) else SITE
         for request in ended:
             request.num_nans_in_logits = max(
                 request.num_nans_in_logits, poisoned[request.request_id]
+            )
+            # vLLM's engine id: the client's (X-Request-Id, or vLLM's own cmpl-...) with
+            # vLLM's random suffix; what the client gets is finish_reason "error", HTTP 500.
+            self._aborts.record(
+                HOOK,
+                site=site,
+                reason="nonfinite_logits",
+                request_id=request.request_id,
+                status=500,
+                finish_reason="error",
             )
             out = outputs.get(request.client_index)
             if out is None:

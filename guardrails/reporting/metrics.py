@@ -13,6 +13,9 @@ Contract (metric names and labels are fixed; see the design brief):
                                                            target does not resolve
     guardrails_hook_errors_total{hook, rank}               an engine hook's own failure at
                                                            run time (the engine's call went on)
+    guardrails_requests_aborted_total{hook, reason, rank}  requests an engine hook ended
+                                                           (reason: nonfinite_logits,
+                                                           nonfinite_kv)
     guardrails_site_not_called{site, rank}                 gauge: 1 while an attached site
                                                            (or hook) sees no call as the
                                                            heartbeat runs (liveness)
@@ -64,6 +67,7 @@ if TYPE_CHECKING:
     from guardrails.reporting.sinks import FileSink, RegistrySink
 
 __all__ = [
+    "ABORT_REASONS",
     "ERROR_STAGES",
     "FAMILIES",
     "GUARD_ERROR_REASONS",
@@ -95,6 +99,9 @@ ERROR_STAGES: Final = ("poll", "metrics", "logs")
 # (no vocab dimension), its layout (sparse, nested, memory overlapping itself), its device
 # (meta, or not the site's), the configured reference does not fit the call, or anything else.
 GUARD_ERROR_REASONS: Final = ("dtype", "shape", "layout", "device", "reference", "error")
+# Why an engine hook ended a request: a logits row matched its site's abort_on, or (transformers'
+# continuous batching) its keys or values were non-finite in a prefill chunk with no logits row.
+ABORT_REASONS: Final = ("nonfinite_logits", "nonfinite_kv")
 
 
 @dataclass(frozen=True)
@@ -155,6 +162,13 @@ FAMILIES: Final = (
         "Calls of an engine hook that failed in guardrails' own code (the engine's call went on "
         "unhooked).",
         ("hook", "rank"),
+    ),
+    FamilySpec(
+        "requests_aborted",
+        "guardrails_requests_aborted",
+        "Requests an engine hook ended through the engine's own error path (their request ids "
+        "are in the guardrails.request_aborted events).",
+        ("hook", "reason", "rank"),
     ),
     FamilySpec(
         "site_not_called",
@@ -268,6 +282,7 @@ class GuardMetrics:
     guard_errors: Family
     attach_errors: Family
     hook_errors: Family
+    requests_aborted: Family
     site_not_called: Family
     nonfinite_origin: Family
     activation_peak_ratio: Family

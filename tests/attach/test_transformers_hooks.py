@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 pytest.importorskip("transformers")
 
 from guardrails import Guardrails, GuardSettings
 from guardrails.integrations.transformers_hooks import (
+    HOOK,
     MESSAGE,
     PoisonedRequestError,
 )
@@ -34,17 +36,35 @@ def model() -> Any:
 
 
 @pytest.fixture
-def profile() -> Iterator[Guardrails]:
+def registry() -> Any:
     from prometheus_client import CollectorRegistry
 
+    return CollectorRegistry()
+
+
+def aborted(registry: Any, reason: str = "nonfinite_logits") -> Any:
+    """guardrails_requests_aborted_total of the profile's hook."""
+    return registry.get_sample_value(
+        "guardrails_requests_aborted_total", {"hook": HOOK, "reason": reason, "rank": "0"}
+    )
+
+
+@pytest.fixture
+def profile(registry: Any) -> Iterator[Guardrails]:
     guards = Guardrails(
-        GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(PROFILE)}),
-        registry=CollectorRegistry(),
+        GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(PROFILE)}), registry=registry
     )
     handles = [*guards.attach_configured(), *guards.install_hooks()]
     # Every half but the serving layer's (transformers.cli.serving is not imported here).
     states = {getattr(h, "target", "attach"): getattr(h, "state", "applied") for h in handles}
-    assert states.pop("CBGenerateManager.generate_non_streaming") == "pending"
+    serving = [
+        "CBGenerateManager.generate_non_streaming",
+        "GenerateManager.generate_streaming",
+        "GenerateManager.generate_non_streaming",
+        "InferenceThread.submit",
+        "InferenceThread.async_submit",
+    ]
+    assert [states.pop(target) for target in serving] == ["pending"] * len(serving)
     assert set(states.values()) == {"applied"}
     yield guards
     for handle in handles:
@@ -93,6 +113,24 @@ def test_generate_without_a_streamer_raises_too(model: Any, profile: Guardrails)
     assert str(raised.value) == MESSAGE
 
 
+def test_an_ended_generate_is_counted_and_named_by_its_streamers_request_id(
+    model: Any, profile: Guardrails, registry: Any
+) -> None:
+    streamer = Streamer()
+    streamer.request_id = 7003  # type: ignore[attr-defined]  # what transformers serve's carries
+    with capture_logs() as logs:
+        with pytest.raises(PoisonedRequestError):
+            _generate(model, POISONED, streamer, do_sample=False)
+        with pytest.raises(PoisonedRequestError):
+            _generate(model, POISONED, do_sample=False)  # a bare generate(): no id
+    ended = [e for e in logs if e["event"] == "guardrails.request_aborted"]
+    assert [(e["request_id"], e["hook"], e["site"], e["reason"]) for e in ended] == [
+        ("7003", HOOK, "sampler.logits", "nonfinite_logits"),
+        (None, HOOK, "sampler.logits", "nonfinite_logits"),
+    ]
+    assert aborted(registry) == 2.0
+
+
 def test_clean_generate_is_unchanged_under_the_hook(model: Any) -> None:
     unguarded = _generate(model, CLEAN[0], do_sample=False)
     from prometheus_client import CollectorRegistry
@@ -126,16 +164,20 @@ def _batch(model: Any, inputs: list[list[int]]) -> dict[str, Any]:
 
 
 def test_batching_ends_the_poisoned_request_and_its_neighbours_match_their_solo_text(
-    model: Any, profile: Guardrails
+    model: Any, profile: Guardrails, registry: Any
 ) -> None:
     alone = [next(iter(_batch(model, [ids]).values())).generated_tokens for ids in CLEAN]
-    results = list(_batch(model, [CLEAN[0], POISONED, CLEAN[1], CLEAN[2]]).values())
+    with capture_logs() as logs:
+        results = list(_batch(model, [CLEAN[0], POISONED, CLEAN[1], CLEAN[2]]).values())
     poisoned = results[1]
     assert poisoned.error == MESSAGE
     assert poisoned.generated_tokens == []  # the token sampled from its healed row is dropped
     assert [r.error for r in results[:1] + results[2:]] == [None, None, None]
     assert [r.generated_tokens for r in results[:1] + results[2:]] == alone
     assert profile.count("sampler.logits", "rows_no_valid_token") == 1
+    assert aborted(registry) == 1.0
+    [ended] = [e for e in logs if e["event"] == "guardrails.request_aborted"]
+    assert (ended["request_id"], ended["status"]) == ("req_1", 500)
 
 
 def test_unguarded_batching_lets_the_poison_reach_the_neighbours(model: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from guardrails.names import REQUEST_ABORTED_EVENT
 from tests import tiny_llama
 from tests.e2e.server import REPORT_INTERVAL_S, Server
 
@@ -70,9 +72,15 @@ def chat(server: Server, text: str, temperature: float, max_tokens: int = 12) ->
 
 
 def complete(
-    server: Server, text: str, temperature: float, max_tokens: int = 12, seed: int | None = None
+    server: Server,
+    text: str,
+    temperature: float,
+    max_tokens: int = 12,
+    seed: int | None = None,
+    **extra: Any,
 ) -> Outcome:
-    """/v1/completions, not streamed."""
+    """/v1/completions, not streamed; `extra`: the openai client's `extra_headers` (vLLM's and
+    transformers serve's `X-Request-Id`) or `extra_body` (SGLang's `rid`)."""
     _count(server, text)
     outcome = Outcome()
     try:
@@ -82,6 +90,7 @@ def complete(
             max_tokens=max_tokens,
             temperature=temperature,
             seed=seed,
+            **extra,
         )
         choice = reply.choices[0]
         outcome.text, outcome.finish_reason = choice.text or "", choice.finish_reason
@@ -110,9 +119,14 @@ def stream_completion(
 
 
 def stream(
-    server: Server, text: str, temperature: float, max_tokens: int = 12, outcome: Any = None
+    server: Server,
+    text: str,
+    temperature: float,
+    max_tokens: int = 12,
+    outcome: Any = None,
+    **extra: Any,
 ) -> Outcome:
-    """/v1/chat/completions, streamed."""
+    """/v1/chat/completions, streamed; `extra` as for `complete`."""
     _count(server, text)
     return _drain(
         lambda: client(server).chat.completions.create(
@@ -121,6 +135,7 @@ def stream(
             max_tokens=max_tokens,
             temperature=temperature,
             stream=True,
+            **extra,
         ),
         lambda choice: choice.delta.content,
         outcome,
@@ -222,17 +237,50 @@ def arrival_s(server: Server, name: str, expected: float, **labels: str) -> floa
     return float("inf")
 
 
-def assert_reported_while_idle(server: Server, send_poisoned: Callable[[], None]) -> None:
-    """One poisoned request (`send_poisoned` sends it and checks the client's error), then
-    silence: its one flagged row reaches /metrics within the interval (the slack is for a
-    loaded 2-core machine's scrapes), and nothing more comes."""
+def assert_reported_while_idle(
+    server: Server, hook: str, send_poisoned: Callable[[str], None]
+) -> None:
+    """One poisoned request (`send_poisoned(request_id)` sends it with that id and checks the
+    client's error), then silence: its one flagged row and its one ended request (`hook`'s
+    guardrails_requests_aborted_total) reach /metrics within the interval (the slack is for a
+    loaded 2-core machine's scrapes), nothing more comes, and the server's log names it in
+    exactly one `guardrails.request_aborted` event, by the engine's id (which holds the
+    client's)."""
     rows = {"site": "sampler.logits", "reason": "no_valid_token"}
+    ended = {"hook": hook, "reason": "nonfinite_logits"}
     before = settled(server, "guardrails_flagged_rows_total", **rows)
-    send_poisoned()
+    ended_before = settled(server, "guardrails_requests_aborted_total", **ended)
+    request_id = f"idle-{uuid.uuid4().hex[:12]}"
+    send_poisoned(request_id)
     took = arrival_s(server, "guardrails_flagged_rows_total", before + 1, **rows)
-    print(f"flagged row on /metrics {took:.2f} s after the answer (interval {REPORT_INTERVAL_S} s)")
+    took_ended = arrival_s(server, "guardrails_requests_aborted_total", ended_before + 1, **ended)
+    print(
+        f"flagged row on /metrics {took:.2f} s, ended request {took_ended:.2f} s after the answer "
+        f"(interval {REPORT_INTERVAL_S} s)"
+    )
     assert took <= REPORT_INTERVAL_S + 10.0, took
+    assert took_ended <= REPORT_INTERVAL_S + 10.0, took_ended
     assert settled(server, "guardrails_flagged_rows_total", **rows) == before + 1
+    assert settled(server, "guardrails_requests_aborted_total", **ended) == ended_before + 1
+    named = aborted_events(server, request_id)
+    assert len(named) == 1, named
+    assert f"hook={hook}" in named[0], named[0]
+
+
+def aborted_events(server: Server, request_id: str, timeout_s: float = 10.0) -> list[str]:
+    """The server log's `guardrails.request_aborted` lines that name `request_id`, once there
+    is one (a process's log line may land after the client's answer), or none after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [
+            line
+            for line in server.log.read_text(errors="replace").splitlines()
+            if REQUEST_ABORTED_EVENT in line and request_id in line
+        ]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.25)
 
 
 def families(server: Server) -> set[str]:

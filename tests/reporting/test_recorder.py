@@ -12,7 +12,12 @@ from structlog.testing import capture_logs
 
 from guardrails.attach.patching import AttachErrors, GuardErrors
 from guardrails.attach.points import AttachPoint
-from guardrails.names import ATTACH_ERROR_EVENT, GUARD_ERROR_EVENT, HOOK_ERROR_EVENT
+from guardrails.names import (
+    ATTACH_ERROR_EVENT,
+    GUARD_ERROR_EVENT,
+    HOOK_ERROR_EVENT,
+    REQUEST_ABORTED_EVENT,
+)
 from guardrails.reporting.hook_errors import HookErrors
 from guardrails.reporting.metrics import guard_metrics
 from guardrails.reporting.recorder import ErrorRecorder, ReportingErrors
@@ -33,12 +38,18 @@ def test_every_recorder_of_a_guardrails_is_one_and_keeps_its_names() -> None:
     registry = CollectorRegistry()
     guards = fresh_guardrails(registry=registry)
     try:
-        recorders = (guards.guard_errors, guards.attach_errors, guards.hook_errors)
+        recorders = (
+            guards.guard_errors,
+            guards.attach_errors,
+            guards.hook_errors,
+            guards.request_aborts,
+        )
         assert all(isinstance(r, ErrorRecorder) for r in recorders)
         assert [(type(r).FAMILY, type(r).EVENT, type(r).LABELS) for r in recorders] == [
             ("guard_errors", GUARD_ERROR_EVENT, ("site", "reason")),
             ("attach_errors", ATTACH_ERROR_EVENT, ("site", "target")),
             ("hook_errors", HOOK_ERROR_EVENT, ("hook",)),
+            ("requests_aborted", REQUEST_ABORTED_EVENT, ("hook", "reason")),
         ]
     finally:
         guards.close()

@@ -96,7 +96,7 @@ def flush_cache(server: Server, timeout_s: float = 30.0) -> tuple[int, str]:
 
 
 # What a guarded server is expected to show.
-ABORTED = re.compile(r"guardrails\.request_aborted .*\brequests=(\d+) status=503\b")
+ABORTED = re.compile(r"guardrails\.request_aborted .*\bstatus=503\b")  # one per request
 # Every guard and hook half the profile attaches on this path, watched by the liveness check.
 WATCHED = {
     "sampler.logits",
@@ -125,7 +125,7 @@ def assert_aborted(outcome: Outcome, streamed: bool = False) -> None:
 
 def aborted_in_log(server: Server) -> int:
     """The requests guardrails' hook aborted, by its `guardrails.request_aborted` events."""
-    return sum(int(m.group(1)) for m in ABORTED.finditer(server.log.read_text(errors="replace")))
+    return len(ABORTED.findall(server.log.read_text(errors="replace")))
 
 
 def wait_for_log(count: Callable[[], int], expected: int, timeout_s: float = 30.0) -> int:

@@ -146,7 +146,8 @@ def test_an_idle_servers_poisoned_request_reaches_metrics_within_seconds(
     """No site ticks (BY_TIME_ONLY): only the scheduler's background poll can bring the
     poisoned request's flagged row to SGLang's /metrics."""
 
-    def send() -> None:
-        assert_aborted(complete(guarded, POISONED, GREEDY, 1))  # one step: one flagged row
+    def send(request_id: str) -> None:
+        # One step: one flagged row. SGLang's id is the request's `rid`.
+        assert_aborted(complete(guarded, POISONED, GREEDY, 1, extra_body={"rid": request_id}))
 
-    assert_reported_while_idle(guarded, send)
+    assert_reported_while_idle(guarded, "sglang.abort_poisoned_requests", send)

@@ -10,7 +10,7 @@ so greedy and sampling each get their own server.
 
 from __future__ import annotations
 
-from guardrails.integrations.transformers_hooks import MESSAGE
+from guardrails.integrations.transformers_hooks import HOOK, MESSAGE
 from tests import tiny_llama
 from tests.e2e.client import (
     CLEAN,
@@ -18,7 +18,10 @@ from tests.e2e.client import (
     POISONED,
     REQUEST_TIMEOUT_S,
     SAMPLED,
+    aborted_events,
+    assert_reported_while_idle,
     chat,
+    complete,
     in_thread,
     join,
     not_called,
@@ -81,6 +84,24 @@ def test_metrics_count_each_poisoned_request_once(batching: Server) -> None:
     silent = not_called(batching)
     assert silent.get("sampler.logits") == 0.0, silent
     assert set(silent.values()) == {0.0}, silent
+
+
+def test_each_ended_request_is_counted_and_named_by_its_request_id(batching: Server) -> None:
+    """Continuous batching's request id is the one the client sent (X-Request-Id)."""
+
+    def send(request_id: str) -> None:
+        outcome = complete(
+            batching, POISONED[0], GREEDY, extra_headers={"X-Request-Id": request_id}
+        )
+        assert getattr(outcome.error, "status_code", None) == 500
+
+    assert_reported_while_idle(batching, HOOK, send)
+    streamed = stream(
+        batching, POISONED[1], GREEDY, extra_headers={"X-Request-Id": "cb-stream-9e1"}
+    )
+    assert streamed.error is not None
+    named = aborted_events(batching, "request_id=cb-stream-9e1")
+    assert len(named) == 1, named
 
 
 def test_sampled_poisoned_requests_end_with_errors_and_the_others_go_on(

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import pytest
 
-from guardrails.integrations.transformers_hooks import MESSAGE
+from guardrails.integrations.transformers_hooks import HOOK, MESSAGE
 from tests import tiny_llama
 from tests.e2e.client import (
     CLEAN,
     GREEDY,
     POISONED,
     SAMPLED,
+    aborted_events,
+    assert_reported_while_idle,
     chat,
+    complete,
     in_thread,
     join,
     not_called,
@@ -96,3 +99,18 @@ def test_the_server_stays_up_and_metrics_count_each_poisoned_request(plain: Serv
     silent = not_called(plain)
     assert silent.get("sampler.logits") == 0.0, silent
     assert set(silent.values()) == {0.0}, silent
+
+
+def test_each_ended_request_is_counted_and_named_by_its_request_id(plain: Server) -> None:
+    """The id the client sent (X-Request-Id) is the one transformers serve gives the request:
+    generate() runs on serve's inference thread, where guardrails carries it."""
+
+    def send(request_id: str) -> None:
+        outcome = complete(plain, POISONED[0], GREEDY, extra_headers={"X-Request-Id": request_id})
+        assert getattr(outcome.error, "status_code", None) == 500
+
+    assert_reported_while_idle(plain, HOOK, send)
+    streamed = stream(plain, POISONED[1], GREEDY, extra_headers={"X-Request-Id": "stream-7f3a"})
+    assert streamed.error is not None
+    named = aborted_events(plain, "request_id=stream-7f3a")
+    assert len(named) == 1, named

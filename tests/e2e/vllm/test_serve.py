@@ -128,10 +128,11 @@ def test_an_idle_servers_poisoned_request_reaches_metrics_within_seconds(
     """No sampler call ticks (BY_TIME_ONLY): only the worker's background poll can bring the
     poisoned request's flagged row to /metrics."""
 
-    def send() -> None:
-        assert server_error(complete(served, POISONED[0], GREEDY))
+    def send(request_id: str) -> None:
+        headers = {"X-Request-Id": request_id}  # vLLM's engine id: cmpl-<it>-0-<suffix>
+        assert server_error(complete(served, POISONED[0], GREEDY, extra_headers=headers))
 
-    assert_reported_while_idle(served, send)
+    assert_reported_while_idle(served, "vllm.end_poisoned_requests", send)
 
 
 def test_the_step_vllm_runs_is_the_one_guarded(served: Server) -> None:

@@ -178,12 +178,13 @@ def profile_settings(**environ: str) -> GuardSettings:
 
 
 @contextmanager
-def guarded(*, hooks: bool = True, **environ: str) -> Iterator[Guardrails]:
-    """The profile's attach points and hooks on a fresh Guardrails (own metrics registry),
-    removed again on exit: what `guardrails run` installs, in this process."""
+def guarded(*, hooks: bool = True, registry: Any = None, **environ: str) -> Iterator[Guardrails]:
+    """The profile's attach points and hooks on a fresh Guardrails (own metrics registry, or
+    `registry`), removed again on exit: what `guardrails run` installs, in this process."""
     from prometheus_client import CollectorRegistry
 
-    guards = Guardrails(profile_settings(**environ), registry=CollectorRegistry())
+    registry = CollectorRegistry() if registry is None else registry
+    guards = Guardrails(profile_settings(**environ), registry=registry)
     handles: list[Any] = []
     try:
         handles += guards.attach_configured()

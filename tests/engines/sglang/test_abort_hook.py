@@ -18,6 +18,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
 from guardrails.integrations import sglang as hook
 from tests.engines.sglang.engine import (
@@ -86,10 +88,11 @@ def test_a_poisoned_request_ends_with_sglangs_finish_abort_503(engine: Any, outc
         unguarded += ": request carries on (no finish reason)"
 
     reqs = make_reqs(logits.shape[0])
-    with guarded():
+    registry = CollectorRegistry()
+    with guarded(registry=registry) as guards, capture_logs() as logs:
         ids, output = sample(engine, logits, "random")
         marks = getattr(output, hook.MARKS_ATTR)
-        commit_decode_step(hook._SchedulerHalf(), reqs, output, ids)
+        commit_decode_step(hook._SchedulerHalf(guards), reqs, output, ids)
     assert marks.device.tolist() == [row == FAULT_ROW for row in range(len(reqs))]
     assert getattr(output, hook.MARKS_ATTR) is None  # consumed once
     poisoned = reqs[FAULT_ROW]
@@ -99,6 +102,17 @@ def test_a_poisoned_request_ends_with_sglangs_finish_abort_503(engine: Any, outc
     assert reason["err_type"] == "ServiceUnavailableError"
     assert poisoned.skip_radix_cache_insert is True
     assert [req.finished() for req in reqs] == [i == FAULT_ROW for i in range(len(reqs))]
+    # The operator learns which request: one event with SGLang's rid, one count.
+    [ended] = [e for e in logs if e["event"] == "guardrails.request_aborted"]
+    assert ended["request_id"] == poisoned.rid == f"req-{FAULT_ROW}"
+    assert (ended["hook"], ended["site"], ended["reason"]) == (
+        hook.HOOK,
+        hook.SITE,
+        "nonfinite_logits",
+    )
+    assert (ended["status"], ended["finish_reason"]) == (503, "abort")
+    labels = {"hook": hook.HOOK, "reason": "nonfinite_logits", "rank": "0"}
+    assert registry.get_sample_value("guardrails_requests_aborted_total", labels) == 1.0
     outcome(
         component="scheduler abort hook",
         dtype="float32",

@@ -16,6 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
 from . import faults
 from .faults import VOCAB, guarded, metadata
@@ -94,8 +96,8 @@ def outputs_by_id(engine_outputs) -> dict[str, object]:  # type: ignore[no-untyp
 
 
 @contextmanager
-def hooked() -> Iterator[object]:
-    with guarded() as guards:
+def hooked(registry: CollectorRegistry | None = None) -> Iterator[object]:
+    with guarded(registry=registry) as guards:
         handles = guards.install_hooks()
         try:
             # This process drives the V1 model runner: Model Runner V2's module is never
@@ -143,7 +145,8 @@ def test_the_hook_ends_a_request_with_no_valid_token_with_finish_reason_error(  
     from vllm.v1.engine import FinishReason
 
     step = scheduler.schedule()
-    with bookkeeping_stand_in(monkeypatch, None) as runner_cls, hooked() as guards:
+    registry = CollectorRegistry()
+    with bookkeeping_stand_in(monkeypatch, None) as runner_cls, hooked(registry) as guards:
         sampler_output = SimpleNamespace(sampled_token_ids=sampled_step()[0])
         runner = SimpleNamespace(use_async_scheduling=async_scheduling)
         result = bookkeeping(runner_cls, runner)(step, sampler_output, None, None, 3)
@@ -151,8 +154,20 @@ def test_the_hook_ends_a_request_with_no_valid_token_with_finish_reason_error(  
         assert out.num_nans_in_logits == (
             {"r0": 0, "r1": 1, "r2": 0} if async_scheduling else {"r1": 1}
         )
-        got = outputs_by_id(scheduler.update_from_output(step, out))
+        with capture_logs() as logs:
+            got = outputs_by_id(scheduler.update_from_output(step, out))
         assert guards.count("sampler.logits", "rows_no_valid_token") == 1
+
+    # The operator learns which request: one event with vLLM's request_id, one count.
+    [ended] = [e for e in logs if e["event"] == "guardrails.request_aborted"]
+    assert (ended["request_id"], ended["site"], ended["reason"]) == (
+        POISONED,
+        "sampler.logits",
+        "nonfinite_logits",
+    )
+    assert (ended["status"], ended["finish_reason"]) == (500, "error")
+    labels = {"hook": "vllm.end_poisoned_requests", "reason": "nonfinite_logits", "rank": "0"}
+    assert registry.get_sample_value("guardrails_requests_aborted_total", labels) == 1.0
 
     poisoned = got[POISONED]
     assert poisoned.finish_reason == FinishReason.ERROR
