@@ -65,6 +65,7 @@ GUARDRAILS_FAMILIES = {
     "guardrails_guard_errors",
     "guardrails_site_not_called",
     "guardrails_hook_errors",
+    "guardrails_requests_aborted",
     "guardrails_reporting_errors",
 }
 # SGLang 0.5.23's series made in its HTTP process (TokenizerMetricsCollector, the HTTP
