@@ -1,14 +1,17 @@
 """`guardrails run [--config FILE] -- COMMAND ...`: run COMMAND with guardrails installed in it
 and in every Python process it starts.
 
-The settings COMMAND will read are validated first; a bad value exits 2 with the message and
-nothing is started. Then this process becomes COMMAND (exec): its exit status and signals are
-COMMAND's own. 127: command not found; 126: not executable.
+The settings COMMAND will read are validated first; a bad value (or a GUARDRAILS_METRICS_PORT
+that cannot be served) exits 2 with the message and nothing is started. Then the tree's keeper
+starts (`guardrails.integrations.tree_keeper`) and this process becomes COMMAND (exec): its
+exit status and signals are COMMAND's own. 127: command not found; 126: not executable; the
+keeper is gone before either returns.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Any
@@ -32,7 +35,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from guardrails.integrations.launcher import launch, own_metrics_dir, prepare
+    from guardrails.integrations.launcher import launch, own_tree, prepare
 
     argv = list(args.command)
     if argv and argv[0] == "--":
@@ -40,13 +43,15 @@ def run(args: argparse.Namespace) -> int:
     if not argv:
         print("guardrails run: no command given (guardrails run -- COMMAND ...)", file=sys.stderr)
         return 2
-    env, _ = prepare(os.environ, config_file=args.config)  # ConfigError: exit 2, nothing runs
-    env = own_metrics_dir(env)
-    try:
-        launch(argv, env)
-    except FileNotFoundError:
-        print(f"guardrails run: {argv[0]}: command not found", file=sys.stderr)
-        return 127
-    except PermissionError:
-        print(f"guardrails run: {argv[0]}: permission denied", file=sys.stderr)
-        return 126
+    env, settings = prepare(os.environ, config_file=args.config)  # ConfigError: exit 2
+    env, keeper = own_tree(env, settings)  # a port it cannot serve: ConfigError, exit 2
+    # Leaving this block means exec failed: the keeper ends (and cleans up) before we return.
+    with keeper or contextlib.nullcontext():
+        try:
+            launch(argv, env)
+        except FileNotFoundError:
+            print(f"guardrails run: {argv[0]}: command not found", file=sys.stderr)
+            return 127
+        except PermissionError:
+            print(f"guardrails run: {argv[0]}: permission denied", file=sys.stderr)
+            return 126

@@ -3,18 +3,18 @@
 Launcher side (`prepare`): validate the settings the command will see (environment plus
 config file, `[[attach]]` syntax included) and fail before anything starts; then put the
 bootstrap directory first on `PYTHONPATH`, give the process tree a fresh metrics directory
-(`own_metrics_dir`: `GUARDRAILS_METRICS_DIR`, when unset) and replace the launcher with the
-command (`exec`). The environment dict is built for the command; `os.environ` is never
-written.
+(`own_metrics_dir`: `GUARDRAILS_METRICS_DIR`, when unset), start the tree's keeper (`own_tree`,
+`guardrails.integrations.tree_keeper`: it serves `GUARDRAILS_METRICS_PORT` for the tree's
+whole life and removes that directory when the command ends; a port it cannot bind is a
+`ConfigError` before anything runs) and replace the launcher with the command (`exec`). The
+environment dict is built for the command; `os.environ` is never written.
 
 Process side (`bootstrap`, run by the bootstrap `sitecustomize`): build the process-wide
 `guardrails.default()` from the environment, apply its attach points (pending ones apply
 when their module is imported), install the configured engine hooks and the `[trace]`
 probes on the models the engine builds, and close it at exit.
 Nothing here imports prometheus_client (see `guardrails.reporting.metrics`): the engine makes
-its own multiprocess choice after interpreter start. The first process of the tree (the
-command itself: exec keeps the launcher's pid) removes the tree's metrics directory at exit,
-when the launcher made it.
+its own multiprocess choice after interpreter start.
 
 A bad configuration ends the process at once with status 2 and the message on stderr: a
 guard that silently did not install would be worse than no start. An attach point or hook
@@ -32,7 +32,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from guardrails.exceptions import ConfigError
+from guardrails.integrations import tree_keeper
+from guardrails.reporting import exposition
 from guardrails.settings import GuardSettings
 
 if TYPE_CHECKING:
@@ -48,20 +49,16 @@ if TYPE_CHECKING:
 __all__ = [
     "BOOTSTRAP_DIR",
     "EXIT_CONFIG",
-    "TREE_OWNER",
     "bootstrap",
     "installed",
     "launch",
     "own_metrics_dir",
+    "own_tree",
     "prepare",
 ]
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 EXIT_CONFIG = 2  # also what `guardrails` exits with on a ConfigError
-
-# In a metrics directory the launcher made: the pid of the process that removes it at exit.
-# Not *.db: prometheus-client's collectors read only those.
-TREE_OWNER = ".guardrails-tree-owner"
 
 _installed: Guardrails | None = None
 
@@ -93,28 +90,50 @@ def own_metrics_dir(env: Mapping[str, str]) -> dict[str, str]:
 
     Every guardrails process of the tree whose host has no multiprocess directory of its own
     writes its series there, and the engine's /metrics (or GUARDRAILS_METRICS_PORT) shows the
-    whole tree's. Called in the launcher, whose pid the command keeps: that process removes
-    the directory at exit (`TREE_OWNER`)."""
+    whole tree's. The directory is the caller's to remove (`own_tree` has the tree's keeper
+    remove it when the command ends)."""
     out = dict(env)
-    if out.get("GUARDRAILS_METRICS_DIR"):
-        return out
-    path = tempfile.mkdtemp(prefix="guardrails-metrics-")
-    with open(os.path.join(path, TREE_OWNER), "w", encoding="ascii") as owner:
-        owner.write(str(os.getpid()))
-    out["GUARDRAILS_METRICS_DIR"] = path
+    if not out.get("GUARDRAILS_METRICS_DIR"):
+        out["GUARDRAILS_METRICS_DIR"] = tempfile.mkdtemp(prefix="guardrails-metrics-")
     return out
 
 
-def _remove_at_exit_if_owned(path: str | os.PathLike[str] | None) -> None:
-    if path is None:
-        return
-    with contextlib.suppress(OSError, ValueError):
-        with open(os.path.join(path, TREE_OWNER), encoding="ascii") as owner:
-            if int(owner.read(32)) != os.getpid():
-                return
-        # Registered before `guards.close` is: exit handlers run last-in first-out, so the
-        # final counts are written before the directory goes.
-        atexit.register(shutil.rmtree, os.fspath(path), ignore_errors=True)
+def own_tree(
+    env: Mapping[str, str], settings: GuardSettings
+) -> tuple[dict[str, str], tree_keeper.Keeper | None]:
+    """The command's environment with the tree's directory (`own_metrics_dir`), and the tree's
+    keeper: started when the launcher made that directory (removed when the command ends) or
+    `settings` ask for GUARDRAILS_METRICS_PORT (served until then); else None.
+
+    A port the keeper cannot bind raises `ConfigError` naming the setting at fault, with the
+    keeper gone and the directory removed: nothing runs. Any other failure of the keeper is
+    reported on stderr and the command runs regardless (the tree's first process serves the
+    port, as without a keeper). Call it last before `launch`: the keeper watches this
+    process's pid."""
+    made = not env.get("GUARDRAILS_METRICS_DIR")
+    out = own_metrics_dir(env)
+    metrics = settings.metrics
+    if not made and not metrics.port:
+        return out, None
+    tree = out["GUARDRAILS_METRICS_DIR"]
+    try:
+        keeper = tree_keeper.start(
+            out, remove=tree if made else None, tree=tree, addr=metrics.addr, port=metrics.port
+        )
+    except (OSError, UnicodeError) as exc:
+        problem = exposition.bind_problem(
+            exc,
+            metrics.addr,
+            metrics.port,
+            addr_origin=settings.origin("metrics", "addr"),
+            port_origin=settings.origin("metrics", "port"),
+        )
+        raise ConfigError([problem]) from exc
+    if keeper.problem is not None:
+        sys.stderr.write(
+            f"guardrails run: the tree keeper: {keeper.problem}; the command runs regardless\n"
+        )
+    return out, keeper
 
 
 def launch(argv: Sequence[str], env: Mapping[str, str]) -> NoReturn:
@@ -144,7 +163,6 @@ def bootstrap() -> Guardrails:
         guards = default()
     except Exception as exc:  # a ConfigError, or anything else that leaves it unguarded
         _die(exc)
-    _remove_at_exit_if_owned(guards.settings.metrics.dir)
     strict = guards.settings.strict_attach
     try:
         guards.attach_configured(on_error=_die if strict else None)

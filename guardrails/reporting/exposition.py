@@ -11,8 +11,13 @@ summed from their files by prometheus-client's own `MultiProcessCollector.merge`
 file in the shared directory tells the other processes (same port, same directory) that this
 process serves them. A sibling believes a marker only when the process it names is listening
 on that port (read from the kernel's socket table): a stale marker whose pid was reused, or a
-port held by something else, is not a sibling. `prometheus_client` is imported only inside
-functions, for the reason given in `guardrails.reporting.metrics`.
+port held by something else, is not a sibling. The server also shows the multiprocess
+directories that processes of the tree announced in the shared directory (their series went to
+a host's directory, `guardrails.reporting.sinks.announce`), those that exist at each scrape.
+Under `guardrails run` the serving process is the tree keeper
+(`guardrails.integrations.tree_keeper`), for the tree's whole life; every process of the tree
+finds it there. `prometheus_client` is imported only inside functions, for the reason given in
+`guardrails.reporting.metrics`.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ if TYPE_CHECKING:
 
 from guardrails import _process
 from guardrails.exceptions import Problem
-from guardrails.reporting.sinks import multiprocess_dir
+from guardrails.reporting.sinks import announced, multiprocess_dir
 
 __all__ = [
     "Serving",
@@ -61,22 +66,28 @@ class _Served:
 
 
 class _TreeFiles:
-    """guardrails' series in the files of `directories`, summed over processes by
-    prometheus-client's own merge (the host's series in a shared directory are the host's
-    /metrics' to show, not this port's)."""
+    """guardrails' series in the files of `directories`, and of the directories announced in
+    `announced_in` that exist at the scrape, summed over processes by prometheus-client's own
+    merge (the host's series in a shared directory are the host's /metrics' to show, not this
+    port's)."""
 
-    def __init__(self, directories: Sequence[str]) -> None:
+    def __init__(self, directories: Sequence[str], announced_in: str | None = None) -> None:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         for path in directories:
             # prometheus-client's own check, before anything is bound: not a directory raises.
             MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]  # untyped upstream
         self._directories = tuple(directories)
+        self._announced_in = announced_in
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.multiprocess import MultiProcessCollector
 
-        files = [f for path in self._directories for f in glob.glob(os.path.join(path, "*.db"))]
+        found = [*self._directories, *announced(self._announced_in)]
+        # One directory reached by two paths (a link, an announced copy of a listed one) is
+        # read once: its files would be summed twice.
+        paths = {os.path.realpath(path): path for path in found}.values()
+        files = [f for path in paths for f in glob.glob(os.path.join(path, "*.db"))]
         for metric in MultiProcessCollector.merge(files, accumulate=True):  # type: ignore[no-untyped-call]
             if metric.name.startswith("guardrails_"):
                 yield metric
@@ -140,7 +151,8 @@ def serve(
     A second owner asking for the same address and port shares the running server. With
     `directories` (the files of a process tree) the server shows guardrails' series of every
     process there, as the host engine's own /metrics does; else `registry` (None: the global
-    one). `marker_dir` is where the other processes of the tree look for the marker. A port
+    one). `marker_dir` is where the other processes of the tree look for the marker, and where
+    they announce the other directories their series went to (shown too). A port
     that cannot be bound raises `OSError` (a bad address may also raise `UnicodeError`, from
     the idna codec); a directory that is not one raises prometheus-client's `ValueError`
     before anything is bound.
@@ -155,7 +167,7 @@ def serve(
             return Serving(started=False)
         if directories:
             exposed = CollectorRegistry(auto_describe=False)
-            exposed.register(_TreeFiles(directories))
+            exposed.register(_TreeFiles(directories, announced_in=marker_dir))
         else:
             exposed = REGISTRY if registry is None else registry
         server, thread = start_http_server(port, addr=addr, registry=exposed)

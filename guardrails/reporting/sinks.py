@@ -17,6 +17,11 @@ import, and only after the host had its chance to choose prometheus-client's mod
   so a host that serves that registry (vLLM with one API server) shows the whole tree's
   guardrails series next to its own, which stay as the host made them.
 
+A process of a tree whose series go to a multiprocess directory other than the tree
+directory (the host's) announces that directory in the tree directory (`announce`, a small
+`guardrails_multiproc_*.dir` file, which the collectors ignore): whoever serves the tree's
+`GUARDRAILS_METRICS_PORT` (`guardrails.reporting.exposition`) shows it too (`announced`).
+
 Files use prometheus-client's own `MmapedDict` and key format, so its own
 `MultiProcessCollector` reads them. A forked child writes its own file (its counts start at 0
 there: the parent's stay in the parent's); the `live*` gauge file of a process is removed
@@ -27,7 +32,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
+import hashlib
+import json
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Protocol
 
@@ -38,6 +47,8 @@ __all__ = [
     "FamilySpec",
     "FileSink",
     "RegistrySink",
+    "announce",
+    "announced",
     "choose_sink",
     "multiprocess_dir",
 ]
@@ -48,6 +59,9 @@ TREE_COLLECTOR_ATTR: Final = "_guardrails_tree_collector"
 # a reloaded or second copy of guardrails finds them instead of registering the names again.
 _FAMILIES_ATTR: Final = "_guardrails_metric_families"
 _LOCK = _process.module_lock(__name__, "_LOCK")
+# An announced directory, in the tree directory. Not *.db: prometheus-client's collectors read
+# only those.
+_ANNOUNCED: Final = "guardrails_multiproc_{}.dir"
 
 
 def multiprocess_dir(environ: Mapping[str, str] | None = None) -> str | None:
@@ -63,17 +77,69 @@ def choose_sink(registry: Any, tree_dir: str | None) -> RegistrySink | FileSink:
         return RegistrySink(registry)
     from prometheus_client import values
 
-    if getattr(values.ValueClass, "_multiprocess", False):
-        return RegistrySink(None)  # the host's multiprocess mode: its own directory and files
     host_dir = multiprocess_dir()
+    if getattr(values.ValueClass, "_multiprocess", False):
+        # The host's multiprocess mode: its own directory and files.
+        _announce_quietly(tree_dir, host_dir)
+        return RegistrySink(None)
     if host_dir is not None:
         # The host set its directory after prometheus-client was imported here (a forked
         # child, or an engine that serves its directory from other processes): its /metrics
         # reads that directory, so guardrails' files go there.
-        return FileSink(host_dir, serve_tree=False)
+        return FileSink(host_dir, serve_tree=False, announce_in=tree_dir)
     if tree_dir is not None:
-        return FileSink(tree_dir, serve_tree=True)
+        return FileSink(tree_dir, serve_tree=True, announce_in=tree_dir)
     return RegistrySink(None)
+
+
+def announce(tree_dir: str, directory: str) -> None:
+    """Say in `tree_dir` that series of this tree are written in `directory` too; nothing
+    when it is the tree directory itself, or announced already. Raises `OSError`."""
+    directory = os.path.abspath(directory)
+    if os.path.realpath(directory) == os.path.realpath(tree_dir):
+        return
+    digest = hashlib.sha256(os.fsencode(directory)).hexdigest()[:16]
+    target = os.path.join(tree_dir, _ANNOUNCED.format(digest))
+    if os.path.lexists(target):
+        return
+    # A new file renamed into place, as the server marker is: a reader sees all of it or none.
+    fd, tmp = tempfile.mkstemp(prefix=".guardrails_multiproc_", suffix=".tmp", dir=tree_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump({"path": directory}, handle)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def announced(tree_dir: str | None) -> list[str]:
+    """The directories announced in `tree_dir` that exist now."""
+    if tree_dir is None:
+        return []
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(tree_dir), _ANNOUNCED.format("*"))):
+        try:
+            # O_NOFOLLOW: a planted link is not an announcement this code wrote.
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, encoding="utf-8") as handle:
+                data = json.loads(handle.read(8192))
+        except (OSError, ValueError):
+            continue
+        directory = data.get("path") if isinstance(data, dict) else None
+        if isinstance(directory, str) and os.path.isabs(directory) and os.path.isdir(directory):
+            found.append(directory)
+    return found
+
+
+def _announce_quietly(tree_dir: str | None, directory: str | None) -> None:
+    # Best effort: the series are written either way and the host's /metrics shows them;
+    # only the tree's own port would miss them, and failing the sink would lose them all.
+    if tree_dir is not None and directory is not None:
+        with contextlib.suppress(OSError, ValueError):  # ValueError: a NUL in a path
+            announce(tree_dir, directory)
 
 
 class FamilySpec(Protocol):
@@ -163,10 +229,11 @@ class FileSink:
     """This process's guardrails series as prometheus-client multiprocess files in `directory`.
 
     `serve_tree`: also register a `MultiProcessCollector` over `directory` in the global
-    registry (once per process), for a host that serves that registry.
+    registry (once per process), for a host that serves that registry. `announce_in`: the
+    tree directory, where a `directory` other than it is announced (`announce`).
     """
 
-    def __init__(self, directory: str, *, serve_tree: bool) -> None:
+    def __init__(self, directory: str, *, serve_tree: bool, announce_in: str | None = None) -> None:
         from prometheus_client import REGISTRY
         from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -175,6 +242,8 @@ class FileSink:
         MultiProcessCollector(None, path=directory)  # type: ignore[no-untyped-call]  # untyped upstream
         self.directory = directory
         self.registry: Any = REGISTRY
+        self._announce_in = announce_in
+        _announce_quietly(announce_in, directory)
         self._lock = _process.lock(self, "_lock")
         self._files: dict[str, Any] = {}
         self._children: list[_FileChild] = []
@@ -218,6 +287,7 @@ class FileSink:
         # host's directory if the parent set one before forking (vLLM sets its own before it
         # forks engine cores for several API servers, whose /metrics reads only that one).
         self.directory = multiprocess_dir() or self.directory
+        _announce_quietly(self._announce_in, self.directory)
         for mmaped in self._files.values():
             with contextlib.suppress(Exception):
                 mmaped.close()

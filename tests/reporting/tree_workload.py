@@ -9,7 +9,11 @@ bootstrap on its own. Each process guards NaN logits at `sampler.logits` under i
 
 Modes:
 - `port`: GUARDRAILS_METRICS_PORT is set for the whole tree; the children stay alive while
-  the first process scrapes that port and asks the kernel which process listens on it.
+  the first process scrapes that port and asks the kernel which process listens on it (a
+  process of the tree, or the one the server marker in the tree's directory names).
+- `child-first`: GUARDRAILS_METRICS_PORT is set; the first process guards nothing itself: its
+  one child guards and exits (the tree's first guarded process, gone), then the first process
+  scrapes the port.
 - `registry`: the host's own metrics in the first process's global registry, served the way a
   single-process host serves them (vLLM with one API server): the first process creates a
   counter of its own, its child guards, and the first process scrapes its global registry.
@@ -62,6 +66,16 @@ def scrape(port: int) -> str:
         return str(reply.read().decode())
 
 
+def marked_server(port: int) -> int:
+    """The pid the server marker in the tree's directory names (0: no marker)."""
+    path = os.path.join(os.environ["GUARDRAILS_METRICS_DIR"], f"guardrails_metrics_{port}.server")
+    try:
+        with open(path, encoding="ascii") as marker:
+            return int(json.load(marker)["pid"])
+    except OSError:
+        return 0
+
+
 def port_mode(children: int) -> dict[str, Any]:
     from guardrails.reporting.exposition import listens_on
 
@@ -82,6 +96,7 @@ def port_mode(children: int) -> dict[str, Any]:
     text = scrape(port)
     alive = [proc.is_alive() for proc, _ in procs]
     listening = [listens_on(pid, port) for pid in pids]
+    server = marked_server(port)
     done.set()
     for proc, _ in procs:
         proc.join(120)
@@ -89,8 +104,18 @@ def port_mode(children: int) -> dict[str, Any]:
         "scrape": text,
         "alive_at_scrape": alive,
         "listening": listening,
+        "marked_in_tree": server in pids,
+        "marked_listening": listens_on(server, port) if server else False,
         "exitcodes": [proc.exitcode for proc, _ in procs],
     }
+
+
+def child_first_mode() -> dict[str, Any]:
+    port = int(os.environ["GUARDRAILS_METRICS_PORT"])
+    proc = multiprocessing.get_context("spawn").Process(target=child_that_exits, args=(1,))
+    proc.start()
+    proc.join(120)
+    return {"scrape": scrape(port), "exitcodes": [proc.exitcode]}
 
 
 def registry_mode() -> dict[str, Any]:
@@ -113,7 +138,12 @@ def registry_mode() -> dict[str, Any]:
 
 def main() -> None:
     mode = sys.argv[1]
-    result = port_mode(int(sys.argv[2])) if mode == "port" else registry_mode()
+    if mode == "port":
+        result = port_mode(int(sys.argv[2]))
+    elif mode == "child-first":
+        result = child_first_mode()
+    else:
+        result = registry_mode()
     result["imported_at_start"] = IMPORTED_AT_START
     print(json.dumps(result), flush=True)
 
