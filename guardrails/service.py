@@ -88,7 +88,9 @@ class Guardrails:
         self._liveness: Liveness | None = None
         self._heartbeats: list[HeartbeatHandle] = []
         self._trace_loaders: list[Any] = []  # loader patches that trace built models
-        self._traces: list[Trace] = []  # guards.trace() handles, removed at close()
+        # guards.trace() handles, by key, removed at close(); weakly: a trace ends with its
+        # model, which a server may drop (guardrails.tracing.tracer).
+        self._traces: weakref.WeakValueDictionary[str, Trace] = weakref.WeakValueDictionary()
         self._reporter = Reporter(self.settings, registry=registry, clock=clock, logger=logger)
         # Calls that patches leave unguarded (a tensor the site refused), counted and logged
         # once, through the same registry and the host's logging.
@@ -265,18 +267,19 @@ class Guardrails:
         )
         self._reporter.add_trace(trace)
         with self._lock:
-            self._traces.append(trace)
+            self._traces[trace.key] = trace
         return trace
 
     def _forget(self, trace: Trace) -> None:
         self._reporter.drop_trace(trace)
         with self._lock:
-            if trace in self._traces:
-                self._traces.remove(trace)
+            self._traces.pop(trace.key, None)
 
     def traces(self) -> list[Trace]:
-        """The traces made through this instance and not removed."""
-        return list(self._traces)
+        """The traces made through this instance, neither removed nor ended with their
+        model."""
+        with self._lock:
+            return [trace for trace in self._traces.values() if trace.active]
 
     def trace_configured(self, *, on_error: Callable[[Exception], None] | None = None) -> list[Any]:
         """Trace each model the engine builds with the `[trace]` settings (what `guardrails
@@ -555,7 +558,9 @@ class Guardrails:
         # Nothing reports for them any more: their hooks come off the models.
         for loader in self._trace_loaders:
             loader.remove()
-        for trace in list(self._traces):
+        with self._lock:
+            traces = list(self._traces.values())
+        for trace in traces:
             trace.remove()
         self._finalizer.detach()
 

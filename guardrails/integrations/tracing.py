@@ -14,6 +14,10 @@ A pattern that matches no module of the loaded model (another architecture) is a
 error (logged, counted in `guardrails_attach_errors_total{site="trace"}`, fatal only under
 `strict_attach`); the model is then returned untraced. A loader whose module is never imported
 (another engine) stays pending and costs nothing.
+
+Models and traces are held weakly: an engine that drops its model (`transformers serve`
+unloads an idle one and loads it again on the next request) frees it, and the model it loads
+next is traced afresh.
 """
 
 from __future__ import annotations
@@ -76,8 +80,14 @@ class TracedLoader(ImportPatch):
         self._guards = weakref.ref(guards)
         self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = _process.lock(self, "_lock")
-        self.traces: list[Trace] = []
+        self._traces: weakref.WeakValueDictionary[str, Trace] = weakref.WeakValueDictionary()
         self._acting = True
+
+    @property
+    def traces(self) -> list[Trace]:
+        """The traces of the models this loader built that are still there."""
+        with self._lock:
+            return [trace for trace in self._traces.values() if trace.active]
 
     def _wrap(self, resolved: Resolved) -> Callable[..., Any]:
         from_self = self.model_at == "self.model"
@@ -99,13 +109,16 @@ class TracedLoader(ImportPatch):
                 return
             self._seen.add(model)
         try:
-            self.traces.append(guards.trace(model))
+            trace = guards.trace(model)
         except Exception as exc:  # never the engine's model load that fails for a trace
             why = str(exc) if isinstance(exc, ValueError | TypeError) else repr(exc)
             error = AttachError([Problem(guards.settings.origin("trace", "modules"), why, None)])
             if self._on_error is None:
                 raise error from exc
             self._on_error(error)
+            return
+        with self._lock:
+            self._traces[trace.key] = trace
 
     def _stop(self) -> None:
         self._acting = False

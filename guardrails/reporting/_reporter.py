@@ -150,7 +150,8 @@ class Reporter:
         self._reporting = False
         self._sites: dict[int, _SiteReport] = {}
         # Traced models (`guardrails.tracing`): told of hits, read for origins and peaks.
-        self._traces: list[Trace] = []
+        # Weakly, by key: a trace ends with its model, which a server may drop.
+        self._traces: weakref.WeakValueDictionary[str, Trace] = weakref.WeakValueDictionary()
         # Imports nothing of prometheus_client: the families open later (see
         # `guardrails.reporting.metrics`), and counts made before wait in their series.
         self._metrics: GuardMetrics = metrics.guard_metrics(
@@ -336,7 +337,7 @@ class Reporter:
                     for report in self._sites.values()
                     for counts, _ in report.series.devices
                 ]
-                devices += [trace.device for trace in self._traces]
+                devices += [trace.device for trace in self._traces.values() if trace.active]
             with mirror.side_streams(devices):
                 self._report_locked(exact=False)
         except Exception as exc:
@@ -396,13 +397,11 @@ class Reporter:
     def add_trace(self, trace: Trace) -> None:
         """A traced model: its origins and peaks are reported from the next poll on."""
         with self._lock:
-            if trace not in self._traces:
-                self._traces.append(trace)
+            self._traces[trace.key] = trace
 
     def drop_trace(self, trace: Trace) -> None:
         with self._lock:
-            if trace in self._traces:
-                self._traces.remove(trace)
+            self._traces.pop(trace.key, None)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -547,10 +546,12 @@ class Reporter:
             self._report_traces(hits, clean and not hits, outbox)
 
     def _report_traces(self, hits: list[str], clean: bool, outbox: list[_Event]) -> None:
-        """Tell each trace of this pass's hits, report an origin it holds, clear the latches
-        after an episode (at a pass whose new logits calls were all clean), and set the peak
-        gauge (`guardrails.tracing.tracer`)."""
-        for trace in list(self._traces):
+        """Tell each trace of this pass's hits, report the origin of an episode it holds,
+        and set the peak gauge (`guardrails.tracing.tracer`)."""
+        for trace in list(self._traces.values()):
+            if not trace.active:  # its model was collected
+                self._traces.pop(trace.key, None)
+                continue
             try:
                 if hits:
                     trace.hit(hits[0])
@@ -569,8 +570,6 @@ class Reporter:
                         # Two passes without a hit and no latch: the value was born outside
                         # the traced modules (or in an unprobed step); nothing to name.
                         trace.wanted = None
-                elif clean and trace.reported:
-                    trace.clear()  # the episode is over: the next one latches afresh
                 self._set_peaks(trace, rows, outbox)
             except Exception as exc:
                 self._fault("poll", exc, outbox)
@@ -578,7 +577,6 @@ class Reporter:
     def _origin_found(self, trace: Trace, origin: Any, outbox: list[_Event]) -> None:
         site, trace.wanted = trace.wanted, None
         trace.origin = origin
-        trace.reported = True
         rank = self._resolve_rank(outbox)
         series = self._metrics.nonfinite_origin.labels(
             module=origin.module, kind=origin.kind, rank=rank

@@ -11,12 +11,23 @@ hook that folds the rows into latched flags with a few vectorised operations. No
 no allocation that grows with the model's tensors, the same ops under `torch.compile`.
 
 The host looks only when the reporter does (`Reporter.poll`, every `reporting.every_calls`
-site calls): on the CPU the buffer is read directly; on CUDA a non-blocking copy into pinned
-memory is started and the newest completed copy read, as for the sites' counts. A site's
-non-finite hit marks an origin as wanted; the next read that holds a latched origin reports it
-(event `guardrails.nonfinite_origin`, counter `guardrails_nonfinite_origin_total`) once per
-episode: the latches are cleared after the first report pass with no new hit. The peaks feed
-the gauge `guardrails_activation_peak_ratio` for at most `PEAK_SERIES` modules.
+site calls, and its poller): on the CPU the buffer is read directly; on CUDA a non-blocking
+copy into pinned memory is started and the newest completed copy read, as for the sites'
+counts. The host only reads: an episode (a run of steps where some traced output held NaN or
++Inf) starts clean on the device (`guardrails.tracing.ops`), so nothing is written from the
+poller's thread or stream. A site's non-finite hit marks an origin as wanted; the next read
+that holds an episode not yet resolved reports its origin (event `guardrails.nonfinite_origin`,
+counter `guardrails_nonfinite_origin_total`): once per episode, the latest one the host sees.
+The peaks feed the gauge `guardrails_activation_peak_ratio` for at most `PEAK_SERIES` modules.
+
+A probe judges floating-point tensors only: its input is a module's first floating-point
+positional argument (SGLang's layers take int64 `positions` first) or else its
+`hidden_states` keyword; its output is the first floating-point tensor of what the module
+returns (SGLang's linear layers return `(output, bias)`, its norms `(x, residual)`).
+
+The model is held weakly and the trace lives as long as the model's hooks: a model dropped
+(`transformers serve` unloading an idle one) is collected, its trace ends with it, and the
+service and the reporter, which hold traces weakly, forget it.
 
 Modes: `always`; `armed` probes nothing until a site's first hit (its hooks only test one
 attribute while clean; the origin comes from the next poisoned step); `every:N` probes one
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -78,28 +90,30 @@ def match_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
+def _floating(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
 def _first_tensor(value: Any) -> torch.Tensor | None:
-    """The floating tensor a module returns: itself, the first of a tuple, or the first
-    tensor value of a mapping (transformers' ModelOutput)."""
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, tuple | list):
-        return _first_tensor(value[0]) if value else None
+    """The floating tensor a module returns: itself, the first floating one of a tuple
+    (`(output, bias)`, `(x, residual)`), or the first of a mapping's values (transformers'
+    ModelOutput)."""
     if isinstance(value, dict):
-        for item in value.values():
-            if isinstance(item, torch.Tensor):
-                return item if item.is_floating_point() else None
-    return None
+        value = tuple(value.values())
+    if isinstance(value, tuple | list):
+        value = next((item for item in value if _floating(item)), None)
+    return value if _floating(value) else None
 
 
 def _input_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The input a probe judges: the first floating positional argument (never an integer
+    `positions`), else the `hidden_states` keyword."""
     for value in args:
-        if isinstance(value, torch.Tensor):
-            return value if value.is_floating_point() else None
-    found = kwargs.get("hidden_states")
-    if isinstance(found, torch.Tensor) and found.is_floating_point():
-        return found
-    return None
+        if _floating(value):
+            found: torch.Tensor = value
+            return found
+    hidden = kwargs.get("hidden_states")
+    return hidden if _floating(hidden) else None
 
 
 class Trace(Removable):
@@ -118,7 +132,9 @@ class Trace(Removable):
         self.mode = parse_mode(mode)
         self.names = tuple(match_modules(model, modules))
         self.patterns = tuple(modules)
-        self._model = model
+        # Weakly: the model's hooks hold this trace, so it ends with its model (see
+        # `_model_collected`), and a model the engine drops is collected.
+        self._model = weakref.ref(model, _when_collected(weakref.ref(self)))
         self._on_remove = on_remove
         self._lock = _process.lock(self, "_lock")
         self._handles: list[RemovableHandle] = []
@@ -137,10 +153,10 @@ class Trace(Removable):
             state = ops.new_state(len(self.names) + 1, device)
         model.register_buffer(self.buffer, state, persistent=False)
         self._rows_of: torch.Tensor | None = None  # the buffer `_rows` views
-        self._rows = ops.as_rows(state)
+        self._rows: torch.Tensor | None = None
         self._mirror: _Mirror | None = None
         self.wanted: str | None = None  # the site whose hit asks for an origin
-        self.reported = False  # an origin of the current episode was reported
+        self._resolved = 0  # the latest episode whose origin was looked for
         self.origin: Origin | None = None
         self.armed = False  # an armed trace after its first hit
         self.misses = 0  # report passes without a hit since `wanted` was set
@@ -156,7 +172,9 @@ class Trace(Removable):
         with self._lock:
             if self._handles:
                 return
-            model = self._model
+            model = self._model()
+            if model is None:
+                return
             modules = dict(model.named_modules())
             self._handles.append(model.register_forward_pre_hook(self._on_start))
             for row, name in enumerate(self.names):
@@ -166,21 +184,28 @@ class Trace(Removable):
 
     def _raw(self) -> torch.Tensor:
         """The model's buffer as the ops take it (int64 words; see `ops.new_state`)."""
-        state: torch.Tensor = getattr(self._model, self.buffer)
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the traced model was collected")
+        state: torch.Tensor = getattr(model, self.buffer)
         return state
 
     @property
     def device(self) -> torch.device:
-        """The device of the model's buffer (where reading it copies from)."""
-        return self._raw().device
+        """The device of the model's buffer (where reading it copies from); the CPU once the
+        model is gone (nothing left to copy)."""
+        model = self._model()
+        state = None if model is None else getattr(model, self.buffer, None)
+        return torch.device("cpu") if state is None else state.device
 
     def _state(self) -> torch.Tensor:
         """The buffer's float64 rows (a view: writes land in the model's buffer), made again
         only when the model's buffer is another tensor (`model.to(device)`)."""
         raw = self._raw()
-        if raw is not self._rows_of:
-            self._rows_of, self._rows = raw, ops.as_rows(raw)
-        return self._rows
+        rows = self._rows
+        if raw is not self._rows_of or rows is None:
+            self._rows_of, self._rows = raw, (rows := ops.as_rows(raw))
+        return rows
 
     # Compiled code calls the ops (opaque to the compiler, the switch read when they run);
     # eager code reads the switch here and calls the ops' bodies, skipping the dispatcher.
@@ -191,9 +216,8 @@ class Trace(Removable):
             return
         self.step()
         if self.probing:
-            state = self._state()
             with torch.no_grad():
-                state[-1, 0] += 1
+                ops.write_step(self._state())
 
     def _on_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if _compiling():
@@ -257,7 +281,7 @@ class Trace(Removable):
     def hit(self, site: str) -> None:
         """A site reported non-finite values: want an origin; arm an armed trace."""
         self.misses = 0
-        if self.wanted is None and not self.reported:
+        if self.wanted is None:
             self.wanted = site
         if self.mode.armed and not self.armed and self.active:
             self.armed = True
@@ -265,16 +289,27 @@ class Trace(Removable):
 
     def read(self) -> list[list[float]] | None:
         """The state's rows as the host last saw them (never waits; None before a first
-        completed copy on CUDA)."""
+        completed copy on CUDA, and once the model is gone)."""
+        model = self._model()  # held while reading: the garbage collector may run meanwhile
+        if model is None:
+            return None
         state = self._state()
         if state.device.type == "cpu":
-            rows: list[list[float]] = state.tolist()
-            return rows
+            # The last row first: the latch writes it last (see `ops.write_latch`).
+            meta: list[float] = state[-1].tolist()
+            rows: list[list[float]] = state[:-1].tolist()
+            return [*rows, meta]
         if self._mirror is None or self._mirror.device != state.device:
             self._mirror = _Mirror(state)
         return self._mirror.latest(state)
 
     def resolve(self, rows: Sequence[Sequence[float]]) -> Origin | None:
+        """The origin of the latest episode in `rows`, once per episode: None for an episode
+        already resolved, before any, and for one born outside the traced modules."""
+        episode = int(rows[-1][ops.EPISODES])
+        if episode == self._resolved:
+            return None
+        self._resolved = episode  # its first step's rows are final (`ops.write_latch`)
         dtypes = [None if d is None else str(d).removeprefix("torch.") for d in self._dtypes]
         return find_origin(self.names, rows[:-1], dtypes)
 
@@ -282,18 +317,11 @@ class Trace(Removable):
         maxima = [_largest(d) for d in self._dtypes]
         return peak_ratios(self.names, rows[:-1], maxima)
 
-    def clear(self) -> None:
-        """End an episode: forget the latches (the peaks stay)."""
-        state = self._state()
-        with torch.no_grad():
-            state[:-1, 4:7] = 0
-        self.reported = False
-
     # -- the handle -----------------------------------------------------------------------
 
     @property
     def active(self) -> bool:
-        """False once removed."""
+        """False once removed, or once its model was collected."""
         return not self._removed
 
     @property
@@ -302,21 +330,40 @@ class Trace(Removable):
         return bool(self._handles)
 
     def remove(self) -> None:
-        """Take the hooks and the buffer off the model. Idempotent."""
+        """Take the hooks and the buffer off the model, and the trace out of its service.
+        Idempotent; after the model was collected, only the latter is left to do."""
         with self._lock:
-            if self._removed:
-                return
             self._removed = True
             handles, self._handles = self._handles, []
+            on_remove, self._on_remove = self._on_remove, None
         for handle in handles:
             handle.remove()
-        self._model._buffers.pop(self.buffer, None)
-        on_remove, self._on_remove = self._on_remove, None
+        model = self._model()
+        if model is not None:
+            model._buffers.pop(self.buffer, None)
         if on_remove is not None:
             on_remove(self)
 
+    def _model_collected(self) -> None:
+        """The model is gone, and its hooks and buffer with it: the trace ends. Run by the
+        garbage collector, on any thread, maybe inside a lock's holder: it takes no lock and
+        calls nothing; the service and the reporter hold traces weakly and skip ended ones."""
+        self._removed = True
+        self._handles = []
+        self._rows_of = self._rows = None
+        self._mirror = None
+
     def __repr__(self) -> str:
         return f"<Trace {self.mode} modules={len(self.names)} installed={self.installed}>"
+
+
+def _when_collected(trace: weakref.ref[Trace]) -> Callable[[weakref.ref[nn.Module]], None]:
+    def collected(_model: weakref.ref[nn.Module]) -> None:
+        found = trace()
+        if found is not None:
+            found._model_collected()
+
+    return collected
 
 
 @functools.cache

@@ -111,3 +111,133 @@ class AlwaysProbing:
 
     def is_off(self, row: int) -> bool:
         return False
+
+
+# -- toy models for the episode tests: float32, a NaN born exactly where a test puts it ------
+
+POISON = 7.0  # an input value `Poison` turns into NaN
+
+
+class Poison(nn.Module):
+    """Its input, with NaN where the input holds POISON: a NaN born here from a finite input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x == POISON, torch.nan, x)
+
+
+def hidden(poisoned: bool = False) -> torch.Tensor:
+    """A toy model's input: [1, HIDDEN] floats, one of them POISON when `poisoned`."""
+    x = torch.linspace(0.0, 1.0, HIDDEN).unsqueeze(0)
+    if poisoned:
+        x[0, 3] = POISON
+    return x
+
+
+class Branches(nn.Module):
+    """`side` runs only when asked: a module not called in every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.side = Poison()
+        self.main = Poison()
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x: torch.Tensor, side: bool = False) -> torch.Tensor:
+        if side:
+            x = self.side(x)
+        return self.head(self.main(x))
+
+
+class Twice(nn.Module):
+    """`shared` is called twice a step, on the input first and on a clean tensor last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = Poison()
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.shared(x)
+        last = self.shared(torch.ones_like(x))
+        return self.head(first + last)
+
+
+class Mask(nn.Module):
+    """Writes -inf by design, in every step (an attention mask over the upper half)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        upper = torch.arange(x.shape[-1]) >= x.shape[-1] // 2
+        return x.masked_fill(upper, float("-inf"))
+
+
+class Masked(nn.Module):
+    """A mask whose -inf a softmax turns into zeros, and a NaN born later in `poison`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = Mask()
+        self.poison = Poison()
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.mask(x).softmax(-1)
+        return self.head(self.poison(x) * weights)
+
+
+class Scale(nn.Module):
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.gain = gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class Center(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(-1, keepdim=True)
+
+
+class NegativeOverflow(nn.Module):
+    """float16: `scale` overflows to -inf on an input of 1 (finite on the others), and `center`
+    makes NaN of it (-inf - -inf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = Scale(-1e5)
+        self.center = Center()
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.center(self.scale(x)))
+
+
+class SglangLayer(nn.Module):
+    """Shaped as SGLang's decoder layers: (positions: int64, hidden_states) in,
+    (hidden_states, residual) out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.proj(hidden_states), hidden_states
+
+
+class SglangLike(nn.Module):
+    """SGLang-shaped layers after an `embed` where the NaN is born."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = Poison()
+        self.layers = nn.ModuleList(SglangLayer() for _ in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[-1]).unsqueeze(0)
+        x = self.embed(x)
+        for layer in self.layers:
+            x, _residual = layer(positions, x)
+        return self.head(x)

@@ -36,3 +36,37 @@ def test_the_origin_is_named_on_cuda(make: Callable[..., gr.Guardrails], compile
             guards.poll()
     events = [e for e in logs if e["event"] == NONFINITE_ORIGIN_EVENT]
     assert [e["module"] for e in events] == ["layers.0.mlp"]
+
+
+def test_each_episode_is_named_on_cuda(make: Callable[..., gr.Guardrails]) -> None:
+    # The host only reads the state: the second episode starts clean on the device, whatever
+    # stream the poller's copies run on.
+    guards = make()
+    model = net("mlp").cuda()
+    guards.trace(model, ["embed", "layers.*", "norm", "head"])
+    site = guards.site("sampler.logits")
+
+    def decode(ids: list[int]) -> None:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids], device="cuda"))
+        site(logits[:, -1].contiguous())
+        torch.cuda.synchronize()
+        guards.poll()
+
+    def named() -> list[str]:
+        return [e["module"] for e in logs if e["event"] == NONFINITE_ORIGIN_EVENT]
+
+    def wait_for(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(named()) < count and time.monotonic() < deadline:
+            torch.cuda.synchronize()  # the test may wait; the reporter never does
+            guards.poll()
+
+    with capture_logs() as logs:
+        decode([1, 5, TRIGGER_ID])
+        wait_for(1)
+        decode([1, 2, 5])
+        decode([1, 2, 5])
+        decode([1, 5, TRIGGER_ID])
+        wait_for(2)
+    assert named() == ["layers.0.mlp", "layers.0.mlp"]

@@ -4,8 +4,10 @@ SGLang model runners' `load_model`), each on a module imported for real."""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,28 @@ def test_a_loader_traces_the_model_it_builds(
         finally:
             guards.close()
         assert not trace.installed
+
+
+def test_a_model_the_engine_drops_is_freed_and_the_next_one_traced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `transformers serve` unloads an idle model and loads it again on the next request.
+    with module_on_path(RUNNER, "runner", tmp_path, monkeypatch) as name:
+        monkeypatch.setattr(tracing, "LOADERS", {f"{name}:build": "return"})
+        guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
+        try:
+            (loader,) = guards.trace_configured()
+            module = importlib.import_module(name)
+            first = weakref.ref(module.build())
+            gc.collect()
+            assert first() is None
+            assert loader.traces == []
+            model = module.build()
+            (trace,) = loader.traces
+            assert trace.buffer in dict(model.named_buffers())
+            assert guards.traces() == [trace]
+        finally:
+            guards.close()
 
 
 def test_a_loader_model_place_is_return_or_self_model() -> None:

@@ -10,11 +10,12 @@ import guardrails as gr
 from guardrails.tracing import find_origin, parse_mode
 
 NAMES = ["layers.0", "layers.0.mlp", "layers.0.mlp.up_proj", "layers.0.mlp.down_proj", "norm"]
-FINITE = [0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
 
 
-def row(step: int = 0, inp: int = 0, out: int = 0) -> list[float]:
-    return [0.0, 1.0, 0.0, 1.0, float(step), float(inp), float(out), 1.0]
+def row(step: int = 0, inp: int = 0, out: int = 0, mask: bool = False) -> list[float]:
+    """A module row (`guardrails.tracing.ops`): latched at `step` with input and output kind
+    bits (1 nan, 2 +inf, 4 -inf); `mask`: seen writing -inf in a step without NaN/+Inf."""
+    return [0.0, 1.0, 0.0, 1.0, float(step), float(inp), float(out), 1.0, float(mask)]
 
 
 def origin_of(*rows: list[float]) -> str | None:
@@ -51,6 +52,35 @@ def test_the_kind_is_the_origins_output_kind() -> None:
     found = find_origin(NAMES, [row(1, 0, 6), row(), row(), row(), row()], ["bfloat16"] * 5)
     assert found is not None
     assert (found.kind, found.dtype, found.step) == ("posinf", "bfloat16", 1)
+
+
+def test_a_nan_or_posinf_origin_wins_over_a_new_neginf() -> None:
+    # norm wrote -inf from a finite input in the same step; the MLP made a NaN.
+    assert origin_of(row(1, 0, 1), row(1, 0, 1), row(), row(1, 1, 1), row(1, 0, 4)) == (
+        "layers.0.mlp"
+    )
+
+
+def test_a_mask_is_never_the_origin() -> None:
+    # The NaN came from outside (every NaN output saw a NaN input); norm writes -inf by
+    # design, even from an input whose only non-finite values are -inf.
+    rows = [row(1, 1, 1), row(1, 1, 1), row(), row(1, 4, 1), row(1, 0, 4, mask=True)]
+    assert origin_of(*rows) is None
+
+
+def test_a_negative_overflow_that_a_nan_follows_is_named() -> None:
+    # up_proj overflowed to -inf; down_proj made NaN of it: the -inf is the origin.
+    found = find_origin(
+        NAMES, [row(1, 0, 5), row(1, 0, 5), row(1, 0, 4), row(1, 4, 1), row(1, 1, 1)], [None] * 5
+    )
+    assert found is not None
+    assert (found.module, found.kind) == ("layers.0.mlp.up_proj", "neginf")
+
+
+def test_a_neginf_that_no_nan_follows_names_nothing() -> None:
+    # up_proj wrote a new -inf, but the NaN came in from outside: no NaN/+Inf followed from
+    # a -inf.
+    assert origin_of(row(1, 1, 1), row(1, 1, 1), row(1, 0, 4), row(1, 1, 1), row()) is None
 
 
 @pytest.mark.parametrize(
