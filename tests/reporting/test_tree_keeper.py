@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -42,9 +42,12 @@ def tree_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     )
 
 
-def launch(tmp_path: Path, *command: str, **extra: str) -> subprocess.CompletedProcess[str]:
+def launch(
+    tmp_path: Path, *command: str, run: Sequence[str] = RUN, **extra: str
+) -> subprocess.CompletedProcess[str]:
+    """`run` (`guardrails run --`, or another launcher) COMMAND in a tree of `tmp_path`."""
     return subprocess.run(
-        [*RUN, *command],
+        [*run, *command],
         env=tree_env(tmp_path, **extra),
         cwd=ROOT,
         capture_output=True,
@@ -168,15 +171,7 @@ def test_without_a_pidfd_the_keeper_still_sees_the_command_end(tmp_path: Path) -
         "from guardrails.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", launcher, "run", "--", "sh", "-c", "exit 5"],
-        env=tree_env(tmp_path),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    done = launch(tmp_path, "sh", "-c", "exit 5", run=[sys.executable, "-c", launcher, "run", "--"])
     assert done.returncode == 5, done.stderr[-4000:]
     assert soon(lambda: trees(tmp_path) == []), trees(tmp_path)
 
