@@ -25,10 +25,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
-import json
 import os
 import socket
-import tempfile
 import threading
 import time
 import weakref
@@ -42,7 +40,7 @@ if TYPE_CHECKING:
 
 from guardrails import _process
 from guardrails.exceptions import Problem
-from guardrails.reporting.sinks import announced, multiprocess_dir
+from guardrails.reporting.sinks import announced, multiprocess_dir, read_json, write_json
 
 __all__ = [
     "Serving",
@@ -223,29 +221,14 @@ def _marker(path: str, port: int) -> str:
 
 
 def _write_marker(path: str, port: int) -> None:
-    # A new file renamed over the marker: a link planted at the marker's name is replaced,
-    # never followed (its target is never written), and a reader sees the old marker or the
-    # new one, never half of one. Not *.db: the collector reads only those.
-    fd, tmp = tempfile.mkstemp(prefix=".guardrails_metrics_", suffix=".tmp", dir=path)
-    try:
-        with os.fdopen(fd, "w", encoding="ascii") as handle:
-            json.dump({"pid": os.getpid(), "port": port}, handle)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, _marker(path, port))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    # Not *.db: the collector reads only those.
+    write_json(
+        _marker(path, port), {"pid": os.getpid(), "port": port}, tmp_prefix=".guardrails_metrics_"
+    )
 
 
 def _marker_pid(path: str, port: int) -> int:
-    try:
-        # O_NOFOLLOW: a planted link is not a marker this code wrote.
-        fd = os.open(_marker(path, port), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd, encoding="ascii") as handle:
-            data = json.loads(handle.read(4096))
-    except (OSError, ValueError):
-        return 0
+    data = read_json(_marker(path, port), limit=4096)
     if not isinstance(data, dict) or data.get("port") != port:
         return 0
     pid = data.get("pid")

@@ -51,6 +51,8 @@ __all__ = [
     "announced",
     "choose_sink",
     "multiprocess_dir",
+    "read_json",
+    "write_json",
 ]
 
 # Set on the global registry once a collector over the tree directory is registered in it.
@@ -102,17 +104,7 @@ def announce(tree_dir: str, directory: str) -> None:
     target = os.path.join(tree_dir, _ANNOUNCED.format(digest))
     if os.path.lexists(target):
         return
-    # A new file renamed into place, as the server marker is: a reader sees all of it or none.
-    fd, tmp = tempfile.mkstemp(prefix=".guardrails_multiproc_", suffix=".tmp", dir=tree_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump({"path": directory}, handle)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    write_json(target, {"path": directory}, tmp_prefix=".guardrails_multiproc_")
 
 
 def announced(tree_dir: str | None) -> list[str]:
@@ -121,17 +113,38 @@ def announced(tree_dir: str | None) -> list[str]:
         return []
     found = []
     for path in glob.glob(os.path.join(glob.escape(tree_dir), _ANNOUNCED.format("*"))):
-        try:
-            # O_NOFOLLOW: a planted link is not an announcement this code wrote.
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(fd, encoding="utf-8") as handle:
-                data = json.loads(handle.read(8192))
-        except (OSError, ValueError):
-            continue
+        data = read_json(path, limit=8192)
         directory = data.get("path") if isinstance(data, dict) else None
         if isinstance(directory, str) and os.path.isabs(directory) and os.path.isdir(directory):
             found.append(directory)
     return found
+
+
+def write_json(path: str, data: object, *, tmp_prefix: str) -> None:
+    """Write `data` as JSON to `path` through a new file renamed over it: a link planted at
+    `path` is replaced, never followed (its target is never written), and a reader sees the
+    old file or the new one, never half of one. Raises `OSError`."""
+    fd, tmp = tempfile.mkstemp(prefix=tmp_prefix, suffix=".tmp", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def read_json(path: str, *, limit: int) -> object:
+    """The JSON in `path` (its first `limit` bytes), or None where it cannot be read or parsed,
+    or `path` is a link (O_NOFOLLOW: a planted link is not a file guardrails wrote)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, encoding="utf-8") as handle:
+            return json.loads(handle.read(limit))
+    except (OSError, ValueError):
+        return None
 
 
 def _announce_quietly(tree_dir: str | None, directory: str | None) -> None:
