@@ -28,7 +28,7 @@ from guardrails import _process
 from guardrails._sites import DisabledSite, LogitsSite, Site, TokenSite
 from guardrails.attach.handles import GuardedFunction, Handle, attach_module
 from guardrails.attach.liveness import HeartbeatHandle, Liveness, Watched, heartbeat_points
-from guardrails.attach.patching import AttachErrors, GuardErrors, PatchHandle
+from guardrails.attach.patching import AttachFailures, GuardErrors, PatchHandle
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.distribution import clash_advice, other_owners
 from guardrails.exceptions import Problem
@@ -99,7 +99,7 @@ class Guardrails:
         self._guard_errors = GuardErrors(registry, host_logger, labels)
         # Attach points and hooks that could not be applied: counted and logged, not fatal
         # (unless strict_attach).
-        self._attach_errors = AttachErrors(registry, host_logger, labels)
+        self._attach_errors = AttachFailures(registry, host_logger, labels)
         # Engine hooks' own failures at run time: counted, logged once per part, not fatal.
         self._hook_errors = HookErrors(registry, host_logger, labels)
         # The requests engine hooks end: counted, each named (its engine id) in an event.
@@ -483,7 +483,7 @@ class Guardrails:
         return self._guard_errors
 
     @property
-    def attach_errors(self) -> AttachErrors:
+    def attach_errors(self) -> AttachFailures:
         """Where this instance counts attach points and hooks that could not be applied."""
         return self._attach_errors
 

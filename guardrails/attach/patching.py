@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from guardrails.settings import GuardSettings
 
 __all__ = [
-    "AttachErrors",
+    "AttachFailures",
     "GuardErrors",
     "ImportPatch",
     "PatchHandle",
@@ -108,7 +108,7 @@ class GuardErrors(ErrorRecorder):
             )
 
 
-class AttachErrors(ErrorRecorder):
+class AttachFailures(ErrorRecorder):
     """Where one `Guardrails` counts the attach points and hooks that could not be applied.
 
     A target that does not resolve (an engine version without that method, a hook whose

@@ -23,7 +23,7 @@ from guardrails.reporting.request_aborts import RequestAborts
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
 
-__all__ = ["HookErrors", "MethodHook", "OnceLog", "request_aborts"]
+__all__ = ["HookErrors", "MethodHook", "PartFailures", "request_aborts"]
 
 
 class MethodHook:
@@ -146,7 +146,7 @@ def request_aborts(guards: Guardrails | None) -> RequestAborts:
     return RequestAborts() if guards is None else guards.request_aborts
 
 
-class OnceLog:
+class PartFailures:
     """Report a hook's own failure: counted every time, logged once per part, never raised.
 
     `guards`: the owning `Guardrails` (its registry, constant labels and logger); without it,

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from guardrails.integrations._hooks import MethodHook, OnceLog, request_aborts
+from guardrails.integrations._hooks import MethodHook, PartFailures, request_aborts
 
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
@@ -110,7 +110,7 @@ class _SamplerHalf:
     def __init__(self, guards: Guardrails) -> None:
         self._guards = guards
         self._mask = guards.settings.site_settings(SITE).abort_flags
-        self._failed = OnceLog(HOOK, SAMPLER_TARGET, guards)
+        self._failed = PartFailures(HOOK, SAMPLER_TARGET, guards)
         self._local = threading.local()
 
     def __call__(self, wrapped: Any, sampler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -153,7 +153,9 @@ class _SchedulerHalf:
     """Before SGLang processes a step's results: abort the requests of the marked rows."""
 
     def __init__(self, guards: Guardrails | None = None) -> None:
-        self._failed = OnceLog(HOOK, "SchedulerBatchResultProcessor.process_batch_result_*", guards)
+        self._failed = PartFailures(
+            HOOK, "SchedulerBatchResultProcessor.process_batch_result_*", guards
+        )
         self._aborts = request_aborts(guards)
 
     def __call__(self, wrapped: Any, processor: Any, args: tuple[Any, ...], kwargs: Any) -> Any:

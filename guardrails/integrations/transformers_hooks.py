@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from guardrails.integrations._hooks import MethodHook, OnceLog, request_aborts
+from guardrails.integrations._hooks import MethodHook, PartFailures, request_aborts
 
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
@@ -201,7 +201,7 @@ class _ProcessorsHalf:
 
     def __init__(self, rows: _StepRows) -> None:
         self._rows = rows
-        self._failed = OnceLog(HOOK, _LOGITS_TARGET, rows.guards)
+        self._failed = PartFailures(HOOK, _LOGITS_TARGET, rows.guards)
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         before = None
@@ -222,7 +222,7 @@ class _StopHalf:
 
     def __init__(self, rows: _StepRows) -> None:
         self._rows = rows
-        self._failed = OnceLog(HOOK, _STOP_TARGET, rows.guards)
+        self._failed = PartFailures(HOOK, _STOP_TARGET, rows.guards)
         self._aborts = request_aborts(rows.guards)
 
     def __call__(self, wrapped: Any, stop_check: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -313,7 +313,7 @@ class _SampleHalf:
     def __init__(self, rows: _StepRows, kv: _HealKV) -> None:
         self._rows = rows
         self._kv = kv
-        self._failed = OnceLog(HOOK, _RUNNER_TARGET, rows.guards)
+        self._failed = PartFailures(HOOK, _RUNNER_TARGET, rows.guards)
 
     def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         before = tokens = None
@@ -367,7 +367,7 @@ class _BatchHalf:
     """Continuous batching: around `update_batch`, fail the requests the update dropped."""
 
     def __init__(self, guards: Guardrails) -> None:
-        self._failed = OnceLog(HOOK, _BATCH_TARGET, guards)
+        self._failed = PartFailures(HOOK, _BATCH_TARGET, guards)
         self._aborts = request_aborts(guards)
         self.local = threading.local()
 
@@ -409,7 +409,7 @@ class _UpdateFilterHalf:
 
     def __init__(self, batch: _BatchHalf, guards: Guardrails) -> None:
         self._batch = batch
-        self._failed = OnceLog(HOOK, _IO_TARGET, guards)
+        self._failed = PartFailures(HOOK, _IO_TARGET, guards)
 
     def __call__(self, wrapped: Any, io: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         result = wrapped(*args, **kwargs)
@@ -543,7 +543,7 @@ class _HealKV:
     this thread's next `_sample` (one bool per token, OR-ed over the layers of a forward)."""
 
     def __init__(self, guards: Guardrails) -> None:
-        self._failed = OnceLog(HOOK, _CACHE_TARGET, guards)
+        self._failed = PartFailures(HOOK, _CACHE_TARGET, guards)
         self._local = threading.local()
 
     def __call__(self, wrapped: Any, cache: Any, args: tuple[Any, ...], kwargs: Any) -> Any:

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 
 from guardrails.flags import RowFlag
-from guardrails.integrations._hooks import MethodHook, OnceLog, request_aborts
+from guardrails.integrations._hooks import MethodHook, PartFailures, request_aborts
 
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
@@ -211,7 +211,7 @@ class _RunnerV2Half:
 
     def __init__(self, guards: Guardrails) -> None:
         self._guards = guards
-        self._failed = OnceLog(HOOK, RUNNER_V2_TARGET, guards)
+        self._failed = PartFailures(HOOK, RUNNER_V2_TARGET, guards)
 
     def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -306,7 +306,7 @@ class _VerifyHalf:
     def __init__(self, guards: Guardrails, spec: _SpecMarks) -> None:
         self._guards = guards
         self._spec = spec
-        self._failed = OnceLog(HOOK, VERIFY_TARGET, guards)
+        self._failed = PartFailures(HOOK, VERIFY_TARGET, guards)
 
     def __call__(self, wrapped: Any, sampler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -345,7 +345,7 @@ class _RunnerHalf:
     def __init__(self, guards: Guardrails, spec: _SpecMarks | None = None) -> None:
         self._guards = guards
         self._spec = spec or _SpecMarks()
-        self._failed = OnceLog(HOOK, RUNNER_TARGET, guards)
+        self._failed = PartFailures(HOOK, RUNNER_TARGET, guards)
         self._local = threading.local()  # per model-runner thread: calls seen, host mirror
 
     def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -447,9 +447,9 @@ class _SchedulerHalf:
     """Scheduler side: end each request the model runner reported NaNs for, with an error."""
 
     def __init__(self, guards: Guardrails | None = None, freed: _FreedBlocks | None = None) -> None:
-        self._failed = OnceLog(HOOK, SCHEDULER_TARGET, guards)
-        self._evict_failed = OnceLog(HOOK, "KVCacheManager.evict_blocks", guards)
-        self._zero_failed = OnceLog(HOOK, "new_block_ids_to_zero", guards)
+        self._failed = PartFailures(HOOK, SCHEDULER_TARGET, guards)
+        self._evict_failed = PartFailures(HOOK, "KVCacheManager.evict_blocks", guards)
+        self._zero_failed = PartFailures(HOOK, "new_block_ids_to_zero", guards)
         self._freed = freed or _FreedBlocks()
         self._aborts = request_aborts(guards)
 
@@ -588,7 +588,7 @@ class _ScheduleHalf:
     earliest, also under async scheduling, where N+1 was scheduled before N's output)."""
 
     def __init__(self, guards: Guardrails | None, freed: _FreedBlocks) -> None:
-        self._failed = OnceLog(HOOK, SCHEDULE_TARGET, guards)
+        self._failed = PartFailures(HOOK, SCHEDULE_TARGET, guards)
         self._freed = freed
 
     def __call__(self, wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -616,7 +616,7 @@ class _ZeroerHalf:
     logged) rather than let that assertion end the worker."""
 
     def __init__(self, guards: Guardrails | None, target: str, *, v2: bool) -> None:
-        self._failed = OnceLog(HOOK, target, guards)
+        self._failed = PartFailures(HOOK, target, guards)
         self._v2 = v2
 
     def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:

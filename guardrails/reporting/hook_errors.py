@@ -28,7 +28,7 @@ class HookErrors(ErrorRecorder):
 
     def record(self, hook: str, part: str, error: BaseException, *, log: bool) -> None:
         """Count one failed call of `hook`'s `part`; log it when `log` (the first of the part,
-        as its `OnceLog` decides)."""
+        as its `PartFailures` decides)."""
         self.count(hook)
         if log:
             self.log(

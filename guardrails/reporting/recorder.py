@@ -7,10 +7,10 @@ logger it uses:
 
     ReportingErrors  guardrails_reporting_errors_total{stage, rank}      reporting_error
     GuardErrors      guardrails_guard_errors_total{site, reason, rank}   guard_error
-    AttachErrors     guardrails_attach_errors_total{site, target, rank}  attach_error
+    AttachFailures   guardrails_attach_errors_total{site, target, rank}  attach_error
     HookErrors       guardrails_hook_errors_total{hook, rank}            hook_error
 
-(`GuardErrors` and `AttachErrors` live in `guardrails.attach.patching`, `HookErrors` in
+(`GuardErrors` and `AttachFailures` live in `guardrails.attach.patching`, `HookErrors` in
 `guardrails.reporting.hook_errors`.) The base holds what they share: the series, made lazily
 (nothing here imports prometheus-client; they wait for the process's metrics to open), made
 at 0 by `prepare()`; `count()`, which swallows a failing registry; `first()`, an atomic

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from guardrails.integrations._hooks import MethodHook, OnceLog
+from guardrails.integrations._hooks import MethodHook, PartFailures
 from guardrails.testing import fresh_guardrails
 from tests.attach.modules import module_on_path
 from tests.processes import child_env, run_python
@@ -29,7 +29,7 @@ class BrokenHalf:
     """A hook half whose own code fails before it calls the engine, as a bug would."""
 
     def __init__(self, guards: Any) -> None:
-        self.failed = OnceLog(HOOK, "Runner.step", guards)
+        self.failed = PartFailures(HOOK, "Runner.step", guards)
 
     def __call__(self, wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         try:
@@ -66,11 +66,11 @@ def test_a_failing_hook_is_counted_each_time_and_logged_once(
 JSON_MODE = r"""
 import sys
 import guardrails as gr
-from guardrails.integrations._hooks import OnceLog
+from guardrails.integrations._hooks import PartFailures
 from prometheus_client import REGISTRY
 
 guards = gr.Guardrails(gr.GuardSettings())
-failed = OnceLog("sglang.abort_poisoned_requests", "Sampler.forward", guards)
+failed = PartFailures("sglang.abort_poisoned_requests", "Sampler.forward", guards)
 for _ in range(2):
     failed(RuntimeError("logits_output has no next_token_logits"))
 print(REGISTRY.get_sample_value(

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from guardrails.attach.patching import AttachErrors, GuardErrors
+from guardrails.attach.patching import AttachFailures, GuardErrors
 from guardrails.attach.points import AttachPoint
 from guardrails.names import (
     ATTACH_ERROR_EVENT,
@@ -78,7 +78,7 @@ def test_guard_errors_count_each_call_and_log_the_first_of_a_site_and_reason() -
 
 def test_attach_errors_log_every_failure_and_keep_them_in_order() -> None:
     registry = CollectorRegistry()
-    errors = AttachErrors(registry)
+    errors = AttachFailures(registry)
     with capture_logs() as logs:
         errors.record(site="a", target="m:X.f", error=AttributeError("no f"))
         errors.record(site="a", target="m:X.f", error=AttributeError("no f"))

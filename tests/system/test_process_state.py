@@ -129,7 +129,7 @@ def test_every_lock_guardrails_holds_is_one_the_registry_made() -> None:
         "guardrails.service:_default_lock",
         "guardrails.service.Guardrails._lock",
         "guardrails._sites.LogitsSite._lock",
-        "guardrails.attach.patching.AttachErrors._lock",
+        "guardrails.attach.patching.AttachFailures._lock",
         "guardrails.attach.patching.PatchHandle._lock",
     ):
         assert expected in found
