@@ -14,22 +14,29 @@ from guardrails.settings import (
     ReportingSettings,
     SiteSettings,
 )
-from guardrails.settings.docs import README_BEGIN, README_END, env_table, settings_reference
+from guardrails.settings.docs import (
+    ENV_TABLE_BEGIN,
+    ENV_TABLE_END,
+    ENV_TABLE_FILE,
+    REFERENCE_FILE,
+    env_table,
+    settings_reference,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 STALE = "stale: run `make docs` (python -m guardrails.settings.docs --write) and commit the result"
 
 
-def test_readme_settings_table_is_current() -> None:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = text[text.index(README_BEGIN) + len(README_BEGIN) : text.index(README_END)]
+def test_configuration_environment_table_is_current() -> None:
+    assert ENV_TABLE_FILE == ROOT / "docs" / "configuration.md"
+    text = ENV_TABLE_FILE.read_text(encoding="utf-8")
+    block = text[text.index(ENV_TABLE_BEGIN) + len(ENV_TABLE_BEGIN) : text.index(ENV_TABLE_END)]
     assert block.strip("\n") == env_table().strip("\n"), STALE
 
 
 def test_settings_reference_is_current() -> None:
-    assert (ROOT / "docs" / "settings.md").read_text(encoding="utf-8") == settings_reference(), (
-        STALE
-    )
+    assert REFERENCE_FILE == ROOT / "docs" / "settings.md"
+    assert REFERENCE_FILE.read_text(encoding="utf-8") == settings_reference(), STALE
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ What keeps it out, read from SGLang 0.5.23's code and checked here on the server
   it holds is one it wrote).
 
 Paged backends with pages of more than one token (FlashInfer, FlashAttention 3) are not run
-here (no GPU): README says what is and is not covered there.
+here (no GPU): docs/engines.md says what is and is not covered there.
 
 The fault is switched off and on through SGLang's own `POST /update_weights_from_disk`
 (`flush_cache: false`, so whatever KV SGLang kept stays kept): off loads a copy of the model
