@@ -28,6 +28,8 @@ __all__ = [
     "REQUEST_ABORTED_EVENT",
     "SITE_NOT_CALLED_EVENT",
     "STARTED_EVENT",
+    "TRACE_INSTALLED_EVENT",
+    "TRACE_NOT_INSTALLED_EVENT",
     "validate_site_name",
 ]
 
@@ -94,6 +96,11 @@ REQUEST_ABORTED_EVENT: Final = "guardrails.request_aborted"
 METRICS_SERVED_ELSEWHERE_EVENT: Final = "guardrails.metrics_served_elsewhere"
 # Tracing named the traced module where a site's non-finite values were born.
 NONFINITE_ORIGIN_EVENT: Final = "guardrails.nonfinite_origin"
+# A model's modules were traced (by `guards.trace()` or a loader under `guardrails run`).
+TRACE_INSTALLED_EVENT: Final = "guardrails.trace_installed"
+# Tracing was asked for, and the heartbeat ran liveness_steps times in a process that traced
+# no model: the engine built its model through a loader guardrails does not patch.
+TRACE_NOT_INSTALLED_EVENT: Final = "guardrails.trace_not_installed"
 EVENT_NAMES: Final = (
     NONFINITE_EVENT,
     NO_VALID_TOKEN_EVENT,
@@ -107,6 +114,8 @@ EVENT_NAMES: Final = (
     REQUEST_ABORTED_EVENT,
     METRICS_SERVED_ELSEWHERE_EVENT,
     NONFINITE_ORIGIN_EVENT,
+    TRACE_INSTALLED_EVENT,
+    TRACE_NOT_INSTALLED_EVENT,
 )
 
 

@@ -402,6 +402,17 @@ class Guardrails:
             out.append(
                 Watched(name, 0 if site is None else site.calls, tuple(targets), tuple(states))
             )
+        loaders = [h for h in self._trace_loaders if h.state != "removed"]
+        if loaders:
+            out.append(
+                Watched(
+                    "trace",
+                    len(self.traces()),
+                    tuple(str(h.point.target) for h in loaders),
+                    tuple(h.state for h in loaders),
+                    kind="installed",
+                )
+            )
         halves: dict[str, list[Any]] = {}
         for hook in self._hooks:
             watch = getattr(hook, "watch_name", None)

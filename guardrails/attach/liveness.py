@@ -16,7 +16,12 @@ sites keep them anyway) and reports each that had no call in that window:
   every engine-hook half made to be called at every step (pooled under the hook's name);
 - reported: warning event `guardrails.site_not_called` (site, heartbeat, steps, targets and
   their states), once until it is called again, and the gauge
-  `guardrails_site_not_called{site, rank}` at 1; at the first window with a call it is 0.
+  `guardrails_site_not_called{site, rank}` at 1; at the first window with a call it is 0;
+- with tracing set (`[trace] modules`), whether this process traced a model at all (kind
+  "installed", under the name "trace"): none at the end of a window is the warning
+  `guardrails.trace_not_installed` (once until one is) and `guardrails_site_not_called
+  {site="trace"}` at 1, since a model built through a loader guardrails does not patch
+  would otherwise run unprobed while every origin stays silently unnamed.
 
 A process where the heartbeat never beats (an API server, a tokenizer process) reports
 nothing, so a multi-process engine is judged where it samples. Anything that fails in the
@@ -46,10 +51,12 @@ __all__ = ["HeartbeatHandle", "Liveness", "Observation", "Watched", "heartbeat_p
 class Watched:
     """Something that should be called at every step: a site, or an engine hook's halves."""
 
-    name: str  # the site's name, or the hook's
-    calls: int  # cumulative, as the site (or hook) counts them
-    targets: tuple[str, ...]  # the attach targets (or hook methods) that should call it
+    name: str  # the site's name, or the hook's ("trace" for tracing)
+    calls: int  # cumulative, as the site (or hook) counts them; traced models for "installed"
+    targets: tuple[str, ...]  # the attach targets (or hook methods, or loaders) that should call it
     states: tuple[str, ...]  # their states: applied, pending, failed
+    # "calls": silent in a window without a call; "installed": silent while `calls` is 0.
+    kind: str = "calls"
 
 
 @dataclass(frozen=True)
@@ -128,7 +135,7 @@ class Liveness:
         out = []
         for item in self._watched():
             calls, since = self._last.get(item.name, (0, 0))
-            silent = item.calls <= calls
+            silent = item.calls == 0 if item.kind == "installed" else item.calls <= calls
             if not silent:
                 since = now
             self._last[item.name] = (item.calls, since)

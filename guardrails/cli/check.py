@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     errors += attach_errors
     if settings is not None:
         errors += _check_heartbeat(settings, strict=args.strict, warnings=warnings)
+        _check_trace(settings, warnings=warnings)
         errors += _check_hooks(settings, strict=args.strict, warnings=warnings)
         errors += _check_abort_on(settings)
     if points and not _has_wrapt():
@@ -209,6 +210,40 @@ def _check_heartbeat(settings: GuardSettings, *, strict: bool, warnings: list[st
             print(f"  {'heartbeat':<13} error    {text}: {report.message}")
             errors.append(f"{point.origin}: {text}: {report.message}")
     return errors
+
+
+def _check_trace(settings: GuardSettings, *, warnings: list[str]) -> None:
+    """The model loaders `guardrails run` patches to trace what the engine builds, as the
+    installed engine versions have them: with `[trace]` set and none of them here, no model
+    would be traced (at run time, `guardrails.trace_not_installed`)."""
+    from guardrails.attach.patching import inspect_point
+    from guardrails.integrations.tracing import loader_points
+
+    modules = settings.trace.modules
+    if modules:
+        print(f"  {'trace':<13} {settings.trace.mode:<8} {', '.join(modules)}")
+    else:
+        print(f"  {'trace':<13} off      (the loaders it would patch are listed)")
+    found = 0
+    for point, model_at in loader_points(settings):
+        report = inspect_point(point)
+        text = f"{point.target} -> {model_at}"
+        if report.status == "ok":
+            found += 1
+            print(f"  {'loader':<13} ok       {text}")
+        elif report.status == "not_importable":
+            print(f"  {'loader':<13} absent   {text} ({report.message})")
+        elif modules:
+            _warn(warnings, "loader", f"{text}: {report.message}")
+        else:
+            print(f"  {'loader':<13} missing  {text}: {report.message}")
+    if modules and not found:
+        _warn(
+            warnings,
+            "trace",
+            "no loader guardrails patches is in the engines installed here: under guardrails "
+            "run no model would be traced; trace it in code with guards.trace(model)",
+        )
 
 
 def _check_hooks(settings: GuardSettings, *, strict: bool, warnings: list[str]) -> list[str]:

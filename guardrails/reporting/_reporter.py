@@ -74,6 +74,8 @@ class _Watched(Protocol):
     def targets(self) -> tuple[str, ...]: ...
     @property
     def states(self) -> tuple[str, ...]: ...
+    @property
+    def kind(self) -> str: ...
 
 
 class Observation(Protocol):
@@ -381,6 +383,17 @@ class Reporter:
                     self._fault("metrics", exc, outbox)
                 if not seen.first:
                     continue
+                if watched.kind == "installed":
+                    outbox.append(
+                        events.trace_not_installed_event(
+                            rank=rank,
+                            heartbeat=heartbeat,
+                            steps=seen.steps,
+                            loaders=watched.targets,
+                            states=watched.states,
+                        )
+                    )
+                    continue
                 outbox.append(
                     events.site_not_called_event(
                         site=watched.name,
@@ -395,9 +408,23 @@ class Reporter:
         self._deliver(outbox)
 
     def add_trace(self, trace: Trace) -> None:
-        """A traced model: its origins and peaks are reported from the next poll on."""
+        """A traced model: its origins and peaks are reported from the next poll on; logged
+        (`guardrails.trace_installed`) now."""
+        outbox: list[_Event] = []
         with self._lock:
             self._traces[trace.key] = trace
+            rank = self._resolve_rank(outbox)
+        outbox.append(
+            events.trace_installed_event(
+                model=trace.model_name,
+                modules=len(trace.names),
+                patterns=trace.patterns,
+                mode=str(trace.mode),
+                device=str(trace.device),
+                rank=rank,
+            )
+        )
+        self._deliver(outbox)
 
     def drop_trace(self, trace: Trace) -> None:
         with self._lock:

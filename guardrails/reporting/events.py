@@ -21,6 +21,8 @@ from guardrails.names import (
     REPORTING_ERROR_EVENT,
     SITE_NOT_CALLED_EVENT,
     STARTED_EVENT,
+    TRACE_INSTALLED_EVENT,
+    TRACE_NOT_INSTALLED_EVENT,
 )
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ __all__ = [
     "site_event",
     "site_not_called_event",
     "started_event",
+    "trace_installed_event",
+    "trace_not_installed_event",
 ]
 
 # (logger method, event name, fields): decided under the reporter's lock, delivered after it.
@@ -184,5 +188,50 @@ def origin_event(
             "rank": rank,
             "step": step,
             "mode": mode,
+        },
+    )
+
+
+def trace_installed_event(
+    *, model: str, modules: int, patterns: Sequence[str], mode: str, device: str, rank: str
+) -> Event:
+    """`guardrails.trace_installed`: probes were put on `modules` modules of a `model`."""
+    return (
+        "info",
+        TRACE_INSTALLED_EVENT,
+        {
+            "model": model,
+            "modules": modules,
+            "patterns": list(patterns),
+            "mode": mode,
+            "device": device,
+            "rank": rank,
+        },
+    )
+
+
+def trace_not_installed_event(
+    *,
+    rank: str,
+    heartbeat: str,
+    steps: int,
+    loaders: Sequence[str],
+    states: Sequence[str],
+) -> Event:
+    """`guardrails.trace_not_installed`: tracing is set, and the heartbeat ran a liveness
+    window in a process that traced no model."""
+    return (
+        "warning",
+        TRACE_NOT_INSTALLED_EVENT,
+        {
+            "rank": rank,
+            "heartbeat": heartbeat,
+            "steps": steps,
+            "loaders": list(loaders),
+            "state": list(states),
+            "action": "this engine built its model through no loader guardrails patches: "
+            "no origin will be named. Run guardrails check to see the loaders this engine "
+            "version has, or trace the model in code with guards.trace(model) "
+            "(docs/runbook.md)",
         },
     )

@@ -15,7 +15,10 @@ of the model, so it follows `.to()`). Row `i < modules`, columns:
     8     1 once its output held -inf in a probed step with no NaN/+Inf anywhere (a mask)
 
 Row `modules`: column 0 counts the probed steps, 1 is 1 when the latest probed step was bad
-(some output held NaN or +Inf), 2 counts the episodes started.
+(some output held NaN or +Inf), 2 counts the episodes started; 3-6 are the switch as the
+device reads it under a CUDA graph (see below): 3 on (1: probe; an armed trace's is 0 until
+its first hit), 4 N of `every:N` (1 otherwise), 5 the model calls counted on the device,
+6 whether the current call is probed.
 
 - `trace_step_` (the model's forward pre-hook) counts the step and zeroes columns 0-3: a
   module not called in a step is judged clean for it, never by an older call's values.
@@ -31,18 +34,32 @@ Row `modules`: column 0 counts the probed steps, 1 is 1 when the latest probed s
 
 Nothing here reads a value on the host. `key` names the tracer (`register()`), whose
 host-side switch (`armed`, `every:N`) the ops consult in Python: under `torch.compile` the op
-stays opaque, so the switch is read at run time, not baked into the graph. Under a CUDA graph
-the captured kernels replay as captured. Eager hooks call the bodies (`write_step`,
-`write_probe`, `write_latch`) directly, as eager sites call their kernels: the dispatcher's
-round trip through a Python custom op costs more than the probe itself on the CPU (about
-60 us against 40 us, measured).
+stays opaque, so the switch is read at run time, not baked into the graph. Eager hooks call
+the bodies (`write_step`, `write_probe`, `write_latch`) directly, as eager sites call their
+kernels: the dispatcher's round trip through a Python custom op costs more than the probe
+itself on the CPU (about 60 us against 40 us, measured).
+
+Under a CUDA graph (vLLM's and SGLang's decode graphs) no Python runs at replay: what was
+captured replays. A host switch read at capture would freeze it (an armed trace captured
+before its hit would never probe; `every:N` would probe every replay or none). So while a
+stream is capturing, a trace that is not `always` records the gated bodies (`gated_step`,
+`gated_probe`, `gated_latch`): they read the switch from the state on the device (columns
+3-6 of the last row) and compute every call, writing only on a probed one. A replay thus
+honours `armed` (the host's `switch_on` writes column 3 once, at the first hit: the one word
+the host ever writes, which no device body writes) and `every:N` (counted on the device, one
+probed replay in N). What a replay costs is the full probe's, whether it writes or not: a
+graph cannot skip a kernel it captured. Calls outside a capture keep the host switch and cost
+nothing while it is off. An `always` trace records the plain bodies, which are the gated ones
+with the switch on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final, Protocol
 
 import torch
@@ -56,12 +73,19 @@ __all__ = [
     "STEPS",
     "Probed",
     "as_rows",
+    "capturing",
+    "gated_latch",
+    "gated_probe",
+    "gated_step",
+    "init_switch",
     "kind_bits",
     "latch",
     "new_state",
     "probe",
     "register",
+    "simulate_capture",
     "step",
+    "switch_on",
     "trace_latch_",
     "trace_probe_",
     "trace_step_",
@@ -76,7 +100,13 @@ _IN_MIN, _IN_MAX, _OUT_MIN, _OUT_MAX, _FIRST, _IN_BITS, _OUT_BITS, _PEAK, _MASK 
 STEPS: Final = 0
 _BAD: Final = 1
 EPISODES: Final = 2
+SWITCH_ON: Final = 3
+_EVERY: Final = 4
+_CALLS: Final = 5
+_NOW: Final = 6
 _INF: Final = float("inf")
+# Tests: run the gated bodies as a capture would, on any device (`simulate_capture`).
+_SIMULATED = threading.local()
 
 
 class Probed(Protocol):
@@ -143,6 +173,44 @@ def as_rows(state: torch.Tensor) -> torch.Tensor:
     return state.view(torch.float64)
 
 
+def init_switch(state: torch.Tensor, *, on: bool, every: int) -> None:
+    """Write the device switch of a new state (float64 rows): on or off, one call in `every`."""
+    state[-1, SWITCH_ON] = 1.0 if on else 0.0
+    state[-1, _EVERY] = float(every)
+
+
+def switch_on(state: torch.Tensor) -> None:
+    """Turn the device switch on (an armed trace's first hit). The host's one write: a word
+    no device body writes; a replay that reads it before the write lands probes from the
+    next one. On CUDA the write goes on guardrails' side stream, outside any capture."""
+    if state.device.type != "cuda":
+        state[-1, SWITCH_ON] = 1.0
+        return
+    from guardrails.reporting.mirror import outside_captures, side_streams
+
+    with outside_captures(), side_streams([state.device]):
+        state[-1, SWITCH_ON].fill_(1.0)
+
+
+def capturing(state: torch.Tensor) -> bool:
+    """Whether calls on `state` are being captured into a CUDA graph now (or a test
+    simulates it): the gated bodies must be recorded then."""
+    if getattr(_SIMULATED, "on", False):
+        return True
+    return state.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def simulate_capture() -> Iterator[None]:
+    """Tests: the calling thread runs the gated bodies, as a CUDA graph's capture records
+    them, on any device (what each replay then does is what each call here does)."""
+    _SIMULATED.on = True
+    try:
+        yield
+    finally:
+        _SIMULATED.on = False
+
+
 def kind_bits(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """Bits 1 nan, 2 +inf, 4 -inf from a (min, max) pair (elementwise; NaN wins both)."""
     nan = torch.isnan(low) | torch.isnan(high)
@@ -157,11 +225,14 @@ def probe(
     """Fold min/max of `output` (and `input`) into row `row` of `state` (the body of
     `trace_probe_`)."""
     tracer = _tracer(key)
-    if tracer is None or not tracer.probing or tracer.is_off(row):
+    if tracer is None or tracer.is_off(row):
+        return
+    gated = capturing(state)
+    if not (gated or tracer.probing):
         return
     tracer.saw(row, output.dtype)
     try:
-        write_probe(state, input, output, row)
+        (gated_probe if gated else write_probe)(state, input, output, row)
     except Exception as exc:  # never the model's call that fails because of a probe
         tracer.failed(row, exc)
 
@@ -175,14 +246,29 @@ def write_probe(
     if output.numel() == 0:
         return
     old = state[row, :_FIRST]
+    # `max < inf` is False for NaN and +Inf alike (a NaN makes aminmax's max NaN).
+    torch.where(old[_OUT_MAX] < _INF, _min_max(input, output), old, out=old)
+
+
+def gated_probe(
+    state: torch.Tensor, input: torch.Tensor | None, output: torch.Tensor, row: int
+) -> None:
+    """`write_probe` that writes only in a call the device switch probes (see the module
+    docstring: what a CUDA graph records for a trace that is not `always`)."""
+    if output.numel() == 0:
+        return
+    old = state[row, :_FIRST]
+    write = (old[_OUT_MAX] < _INF) & (state[-1, _NOW] > 0)
+    torch.where(write, _min_max(input, output), old, out=old)
+
+
+def _min_max(input: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
+    """(input min, input max, output min, output max); the input's are 0 without one."""
     if input is None or input.numel() == 0:
         low, high = torch.aminmax(output.detach())
         zero = torch.zeros_like(low)  # of one dtype with the rest: a faster stack
-        new = torch.stack((zero, zero, low, high))
-    else:
-        new = torch.stack((*torch.aminmax(input.detach()), *torch.aminmax(output.detach())))
-    # `max < inf` is False for NaN and +Inf alike (a NaN makes aminmax's max NaN).
-    torch.where(old[_OUT_MAX] < _INF, new, old, out=old)
+        return torch.stack((zero, zero, low, high))
+    return torch.stack((*torch.aminmax(input.detach()), *torch.aminmax(output.detach())))
 
 
 @torch.library.custom_op("guardrails::trace_probe_", mutates_args=("state",))
@@ -205,6 +291,9 @@ def step(state: torch.Tensor, key: str) -> None:
     tracer = _tracer(key)
     if tracer is None:
         return
+    if capturing(state):
+        gated_step(state)
+        return
     tracer.step()
     if tracer.probing:
         write_step(state)
@@ -214,6 +303,19 @@ def write_step(state: torch.Tensor) -> None:
     """The step itself (see `step`)."""
     state[-1, STEPS] += 1
     state[:-1, :_FIRST] = 0
+
+
+def gated_step(state: torch.Tensor) -> None:
+    """The step as the device switch decides it: count the call, probe it when the switch is
+    on and it is the first of `every` (columns 3-6 of the last row), and then do `write_step`'s
+    work; otherwise leave the rows alone."""
+    meta = state[-1]
+    now = (meta[SWITCH_ON] > 0) & (torch.remainder(meta[_CALLS], meta[_EVERY]) == 0)
+    now_value = now.double()
+    meta[_CALLS : _NOW + 1] = torch.stack((meta[_CALLS] + 1, now_value))
+    meta[STEPS] += now_value
+    rows = state[:-1, :_FIRST]
+    torch.where(now, torch.zeros_like(rows), rows, out=rows)
 
 
 @torch.library.custom_op("guardrails::trace_step_", mutates_args=("state",))
@@ -230,9 +332,12 @@ def latch(state: torch.Tensor, key: str) -> None:
     """A traced forward ended: start an episode at its first bad step, track -inf writers and
     the peaks."""
     tracer = _tracer(key)
-    if tracer is None or not tracer.probing:
+    if tracer is None:
         return
-    write_latch(state)
+    if capturing(state):
+        gated_latch(state)
+    elif tracer.probing:
+        write_latch(state)
 
 
 def write_latch(state: torch.Tensor) -> None:
@@ -258,6 +363,14 @@ def write_latch(state: torch.Tensor) -> None:
     # Last: a CPU reader reads this row first (`Trace.read`), so a new episode's count
     # comes with its rows.
     meta[_BAD : EPISODES + 1] = torch.stack((bad.double(), meta[EPISODES] + start.double()))
+
+
+def gated_latch(state: torch.Tensor) -> None:
+    """`write_latch` in a call the device switch probes; nothing otherwise (it latches a copy
+    and keeps it only then: the state is a few hundred bytes)."""
+    latched = state.clone()
+    write_latch(latched)
+    torch.where(state[-1, _NOW] > 0, latched, state, out=state)
 
 
 @torch.library.custom_op("guardrails::trace_latch_", mutates_args=("state",))

