@@ -16,8 +16,9 @@ from typing import Any, Final
 
 import torch
 
+from guardrails._cuda import capturing_on
 from guardrails.kernels.base import LogitsKernel
-from guardrails.reporting.mirror import DeviceCounts, capturing_on
+from guardrails.reporting.mirror import DeviceCounts
 
 __all__ = [
     "MAX_CACHED_VIEWS",

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 
 from guardrails import _process, ops
+from guardrails._cuda import capturing_on
 from guardrails._site_buffers import Buffers, DeviceState, get_ident, normalise, thread_of
 from guardrails._site_inputs import (
     INTEGER_DTYPES,
@@ -59,7 +60,7 @@ from guardrails.kernels.select import select_logits_kernel
 from guardrails.kernels.token_ids import guard_token_ids_
 from guardrails.kernels.values import posinf_replacement
 from guardrails.names import validate_site_name
-from guardrails.reporting.mirror import DeviceCounts, capturing_on
+from guardrails.reporting.mirror import DeviceCounts
 
 if TYPE_CHECKING:
     from guardrails.reporting._reporter import Reporter

@@ -28,6 +28,7 @@ from guardrails import _process
 from guardrails._sites import DisabledSite, LogitsSite, Site, TokenSite
 from guardrails.attach.handles import GuardedFunction, Handle, attach_module
 from guardrails.attach.liveness import HeartbeatHandle, Liveness, Watched, heartbeat_points
+from guardrails.attach.loaders import trace_built_models
 from guardrails.attach.patching import AttachFailures, GuardErrors, PatchHandle
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.distribution import clash_advice, other_owners
@@ -283,11 +284,10 @@ class Guardrails:
 
     def trace_configured(self, *, on_error: Callable[[Exception], None] | None = None) -> list[Any]:
         """Trace each model the engine builds with the `[trace]` settings (what `guardrails
-        run` does; `guardrails.integrations.tracing`); returns the loader patches (none when
+        run` does; `guardrails.attach.loaders`); returns the loader patches (none when
         no module is traced). A model the patterns do not fit goes to `on_error`; default:
         raised with `strict_attach`, else counted in `guardrails_attach_errors_total
         {site="trace"}` and logged, and the model runs untraced."""
-        from guardrails.integrations.tracing import trace_built_models
 
         def failed(error: AttachError) -> None:
             self._hook_failed("trace", "trace.modules", error, on_error)

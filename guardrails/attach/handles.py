@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from guardrails._removable import Removable
 
 if TYPE_CHECKING:
     from torch import nn
@@ -47,24 +48,6 @@ def logits_of(value: Any) -> torch.Tensor:
     raise TypeError(
         f"guardrails: cannot find logits in a {type(value).__name__}; pass select= to say where"
     )
-
-
-class Removable:
-    """A handle that `remove()`s what it put on; as a context manager, at the block's end."""
-
-    def remove(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.remove()
 
 
 class Handle(Removable):

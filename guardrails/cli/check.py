@@ -216,8 +216,8 @@ def _check_trace(settings: GuardSettings, *, warnings: list[str]) -> None:
     """The model loaders `guardrails run` patches to trace what the engine builds, as the
     installed engine versions have them: with `[trace]` set and none of them here, no model
     would be traced (at run time, `guardrails.trace_not_installed`)."""
+    from guardrails.attach.loaders import loader_points
     from guardrails.attach.patching import inspect_point
-    from guardrails.integrations.tracing import loader_points
 
     modules = settings.trace.modules
     if modules:

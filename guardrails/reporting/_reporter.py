@@ -41,11 +41,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from guardrails import _process
+from guardrails._cuda import side_streams
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger, configure_json_logs
 from guardrails.names import REPORTING_ERROR_EVENT
-from guardrails.reporting import events, exposition, metrics, mirror
+from guardrails.reporting import events, exposition, metrics
 from guardrails.reporting.events import Event as _Event
 from guardrails.reporting.poller import Poller
 from guardrails.reporting.recorder import ReportingErrors
@@ -340,7 +341,7 @@ class Reporter:
                     for counts, _ in report.series.devices
                 ]
                 devices += [trace.device for trace in self._traces.values() if trace.active]
-            with mirror.side_streams(devices):
+            with side_streams(devices):
                 self._report_locked(exact=False)
         except Exception as exc:
             self._fault("poll", exc)

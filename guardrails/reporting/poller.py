@@ -9,9 +9,9 @@ counters and the logs within the interval of the step, whether or not another ca
 - the first poll after the step asks for a fresh copy of the device counts (on the CPU they are
   read directly), the next one, at most half an interval later, reads it;
 - it never waits for a device and never runs on the serving thread. On CUDA its copies are
-  enqueued on a side stream of its own (`mirror.side_streams`), not on the engine's streams,
-  with the thread's capture mode thread-local (`mirror.outside_captures`): a capture on
-  another thread is neither joined nor invalidated. Such a copy is not ordered after the
+  enqueued on a side stream of its own (`guardrails._cuda.side_streams`), not on the engine's
+  streams, with the thread's capture mode thread-local (`guardrails._cuda.outside_captures`): a
+  capture on another thread is neither joined nor invalidated. Such a copy is not ordered after the
   engine's work: it reads the counts as they are when it runs (they only grow), and the next
   one reads what came after;
 - the guarded call is unchanged: nothing per call, nothing allocated.

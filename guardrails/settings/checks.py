@@ -18,10 +18,11 @@ from typing import Annotated, Any, Protocol
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from guardrails._suggest import closest
 from guardrails.exceptions import Problem
 from guardrails.names import HOOK_ACTS_ON, KNOWN_SITES
 from guardrails.settings.fields import is_loopback
-from guardrails.settings.problems import closest, site_hint
+from guardrails.settings.problems import site_hint
 from guardrails.settings.schema import model_at, plain
 
 __all__ = ["check_attach_point", "check_site_table", "cross_field_problems", "notice_problems"]

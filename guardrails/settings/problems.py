@@ -3,22 +3,16 @@ accepted values, with the closest valid name for a misspelt one."""
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from guardrails._suggest import closest
 from guardrails.exceptions import Problem
 from guardrails.names import KNOWN_SITES
 from guardrails.settings.schema import accepted_for, field_names, part
 
-__all__ = ["closest", "problems_from", "site_hint"]
-
-
-def closest(name: str, candidates: Any) -> str:
-    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else ""
+__all__ = ["problems_from", "site_hint"]
 
 
 def site_hint() -> str:

@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic_settings import PydanticBaseSettingsSource
 
+from guardrails._suggest import closest
 from guardrails.exceptions import Problem
-from guardrails.settings.problems import closest
 from guardrails.settings.schema import dotted, part
 
 __all__ = [

@@ -65,6 +65,7 @@ from typing import Final, Protocol
 import torch
 
 from guardrails import _process
+from guardrails._cuda import capturing_on, outside_captures, side_streams
 
 __all__ = [
     "COLUMNS",
@@ -186,8 +187,6 @@ def switch_on(state: torch.Tensor) -> None:
     if state.device.type != "cuda":
         state[-1, SWITCH_ON] = 1.0
         return
-    from guardrails.reporting.mirror import outside_captures, side_streams
-
     with outside_captures(), side_streams([state.device]):
         state[-1, SWITCH_ON].fill_(1.0)
 
@@ -197,7 +196,7 @@ def capturing(state: torch.Tensor) -> bool:
     simulates it): the gated bodies must be recorded then."""
     if getattr(_SIMULATED, "on", False):
         return True
-    return state.is_cuda and torch.cuda.is_current_stream_capturing()
+    return capturing_on(state.device)
 
 
 @contextlib.contextmanager

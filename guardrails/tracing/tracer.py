@@ -43,14 +43,17 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import torch
 
 from guardrails import _process
-from guardrails.attach.handles import Removable
+from guardrails._cuda import outside_captures
+from guardrails._removable import Removable
+from guardrails._suggest import closest
 from guardrails.tracing import ops
 from guardrails.tracing.modes import TraceMode, parse_mode
 from guardrails.tracing.origin import Origin, find_origin, peak_ratios
@@ -59,7 +62,6 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.hooks import RemovableHandle
 
-    from guardrails.reporting.hook_errors import HookErrors
 
 __all__ = ["PEAK_SERIES", "Trace", "match_modules"]
 
@@ -72,6 +74,12 @@ _latch: Final = torch.ops.guardrails.trace_latch_
 _compiling: Final = torch.compiler.is_compiling
 
 
+class ErrorSink(Protocol):
+    """Where a probe's failure is counted and logged (the owning service's `HookErrors`)."""
+
+    def record(self, hook: str, part: str, error: BaseException, *, log: bool) -> None: ...
+
+
 def match_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     """The names in `model.named_modules()` (the model itself excluded) that match a glob
     of `patterns`, in that order; ValueError for a pattern that matches nothing."""
@@ -82,8 +90,6 @@ def match_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     names = [name for name, _ in model.named_modules() if name]
     missing = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if missing:
-        from guardrails.settings.problems import closest
-
         raise ValueError(
             f"trace: module pattern {missing[0]!r} matches no module of "
             f"{type(model).__name__}"
@@ -130,7 +136,7 @@ class Trace(Removable):
         mode: str | TraceMode = "always",
         *,
         on_remove: Callable[[Trace], None] | None = None,
-        errors: HookErrors | None = None,
+        errors: ErrorSink | None = None,
     ) -> None:
         self.mode = parse_mode(mode)
         self.names = tuple(match_modules(model, modules))
@@ -382,11 +388,12 @@ class _StepWrap:
 
     Not forward hooks: an engine may call `model.forward(...)` directly (SGLang's model
     runner does), which runs no hook of the model's own, while `model(...)` calls
-    `self.forward` too. The wrapper keeps the wrapped signature (`functools.wraps`:
-    transformers' `generate()` reads it). The model holds the wrapper and the wrapper holds
-    nothing of the model's (the class's `forward` is looked up at each call), so a trace its
-    caller keeps never keeps its model. `remove()` puts back what was there (an instance
-    `forward` of another wrapper's, or none), unless something wrapped it since."""
+    `self.forward` too. The wrapper is a method bound to the model (a deep copy of the model
+    gets one bound to the copy, which runs the copy's own `forward`), keeps the wrapped
+    signature (`functools.wraps`: transformers' `generate()` reads it), and looks the class's
+    `forward` up at each call; this handle holds the model weakly, so a trace its caller keeps
+    never keeps its model. `remove()` puts back what was there (an instance `forward` of
+    another wrapper's, or none), unless something wrapped it since."""
 
     def __init__(
         self,
@@ -397,13 +404,9 @@ class _StepWrap:
         self._model = weakref.ref(model)
         before = model.__dict__.get("forward")  # another wrapper's, or None: the class's
         cls = type(model)
-        ref = self._model
 
-        @functools.wraps(before if before is not None else cls.forward)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            module = ref()
-            if module is None:  # only while the model is being torn down
-                raise RuntimeError("the traced model was collected")
+        @functools.wraps(cls.forward if before is None else before)
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             start(module, args)
             if before is None:
                 output = cls.forward(module, *args, **kwargs)
@@ -412,16 +415,14 @@ class _StepWrap:
             end(module, args, output)
             return output
 
-        if before is None:
-            forward.__wrapped__ = cls.forward.__get__(model)
         self._token = object()
         forward._guardrails_step = (self._token, before)  # type: ignore[attr-defined]
-        model.forward = forward
+        model.forward = types.MethodType(forward, model)
 
     def remove(self) -> None:
         model = self._model()
         current = None if model is None else model.__dict__.get("forward")
-        mark = getattr(current, "_guardrails_step", None)
+        mark = getattr(getattr(current, "__func__", None), "_guardrails_step", None)
         if model is None or mark is None or mark[0] is not self._token:
             return
         if mark[1] is None:
@@ -465,8 +466,6 @@ class _Mirror:
         self.ready: list[list[float]] | None = None
 
     def latest(self, state: torch.Tensor) -> list[list[float]] | None:
-        from guardrails.reporting.mirror import outside_captures
-
         with outside_captures(), torch.cuda.device(self.device):
             if self.event is not None and self.event.query():
                 self.ready = self.host.tolist()

@@ -254,11 +254,11 @@ def test_the_trace_loaders_the_installed_engines_have_are_listed(
 def test_tracing_set_with_no_loader_here_is_a_warning(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from guardrails.integrations import tracing
+    from guardrails.attach import loaders
 
     monkeypatch.setenv("GUARDRAILS_TRACE", "model.layers.*")
     monkeypatch.setattr(
-        tracing,
+        loaders,
         "LOADERS",
         {
             "sglang.srt.model_executor.model_runner:ModelRunner.load_model": "self.model",

@@ -1,5 +1,8 @@
-"""The package's layering: no import cycle, lazy and TYPE_CHECKING imports included, and every
-module importable on its own in a fresh interpreter.
+"""The package's layering: imports run only down. No import cycle between modules, nor between
+packages (`guardrails.tracing` and `guardrails.reporting` are one room each: a module of one
+importing the other while a module of the other imports back is a cycle, even when no single
+module closes it), lazy and TYPE_CHECKING imports included; and every module importable on its
+own in a fresh interpreter.
 
 The graph is read from the source (every `import` statement anywhere in a module, inside
 functions and `if TYPE_CHECKING:` blocks too), so a cycle held together by a late import is
@@ -98,6 +101,40 @@ def _cycle() -> list[str] | None:
     return None
 
 
+def _room(module: str) -> str:
+    """The package (or root module) a module belongs to: `guardrails.tracing.ops` ->
+    `guardrails.tracing`."""
+    return ".".join(module.split(".")[:2])
+
+
+def _rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        edges = rooms.setdefault(_room(module), set())
+        edges.update(_room(t) for t in targets if _room(t) != _room(module))
+    return rooms
+
+
+def _lazy_imports() -> list[str]:
+    """Every import of a guardrails module that is not at a module's top level: inside a
+    function or an `if TYPE_CHECKING:` block ("module -> target")."""
+    found = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        top = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in top:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    base = node.module  # (the package uses absolute imports only)
+                    names = [
+                        f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                        for a in node.names
+                    ]
+                found += [f"{module} -> {n}" for n in names if n.startswith("guardrails")]
+    return found
+
+
 def test_the_graph_sees_the_package() -> None:
     # Guards the test itself: a graph with no edges would have no cycle either.
     assert len(MODULES) > 40
@@ -111,6 +148,39 @@ def test_no_import_cycle_lazy_and_type_checking_imports_included() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def test_no_cycle_between_packages_lazy_and_type_checking_imports_included(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "GRAPH", _rooms(GRAPH))
+    cycle = _cycle()
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
+
+
+def test_lazy_imports_are_counted_as_edges() -> None:
+    # A lazy or TYPE_CHECKING import is an edge like any other: it may defer a cost (the CLI
+    # imports a command's modules when it runs), never hide a cycle. Each one is in the graph
+    # the cycle tests walk.
+    lazy = _lazy_imports()
+    assert len(lazy) > 20, lazy
+    for edge in lazy:
+        module, _, name = edge.partition(" -> ")
+        target = _target(name)
+        assert target == module or target in GRAPH[module], edge
+    assert "guardrails.tracing.tracer" in GRAPH["guardrails.reporting._reporter"]  # TYPE_CHECKING
+
+
+def test_a_package_cycle_no_module_closes_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tracing.tracer -> reporting.mirror and reporting._reporter -> tracing.tracer: no module
+    # cycle, a package cycle (what the package graph had before the floors below existed).
+    planted = {name: set(edges) for name, edges in GRAPH.items()}
+    planted["guardrails.tracing.tracer"].add("guardrails.reporting.mirror")
+    assert "guardrails.tracing.tracer" in planted["guardrails.reporting._reporter"]
+    monkeypatch.setattr(sys.modules[__name__], "GRAPH", _rooms(planted))
+    cycle = _cycle()
+    assert cycle is not None
+    assert {"guardrails.tracing", "guardrails.reporting"} <= set(cycle)
+
+
 def test_the_cycle_finder_finds_a_planted_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
     planted = {name: set(edges) for name, edges in GRAPH.items()}
     planted["guardrails.names"].add("guardrails.service")
@@ -121,10 +191,21 @@ def test_the_cycle_finder_finds_a_planted_cycle(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize(
-    "module", ["guardrails.names", "guardrails.flags", "guardrails.exceptions"]
+    "module",
+    [
+        "guardrails.names",
+        "guardrails.flags",
+        "guardrails.exceptions",
+        "guardrails._removable",
+        "guardrails._suggest",
+    ],
 )
 def test_the_shared_vocabulary_imports_nothing_of_guardrails(module: str) -> None:
     assert GRAPH[module] == set()
+
+
+def test_the_cuda_floor_imports_only_process_state() -> None:
+    assert GRAPH["guardrails._cuda"] == {"guardrails._process"}
 
 
 @pytest.mark.parametrize(
@@ -148,6 +229,16 @@ def test_the_shared_vocabulary_imports_nothing_of_guardrails(module: str) -> Non
         ("guardrails.reporting", "guardrails._site_buffers"),
         # Process state is the bottom layer: it imports nothing of guardrails.
         ("guardrails._process", "guardrails"),
+        # Tracing is a floor: what it shares with the layers above (a removable handle, the
+        # "did you mean", the capture check) lives in floor modules both import.
+        ("guardrails.tracing", "guardrails.attach"),
+        ("guardrails.tracing", "guardrails.reporting"),
+        ("guardrails.tracing", "guardrails.settings"),
+        ("guardrails.tracing", "guardrails.service"),
+        ("guardrails.tracing", "guardrails.integrations"),
+        # The service is below the engine integrations that use it.
+        ("guardrails.service", "guardrails.integrations"),
+        ("guardrails.attach", "guardrails.integrations"),
     ],
 )
 def test_lower_layers_never_import_higher_ones(low: str, high: str) -> None:

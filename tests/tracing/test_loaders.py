@@ -1,4 +1,4 @@
-"""The loader patches of `guardrails run` (guardrails/integrations/tracing.py): a loader whose
+"""The loader patches of `guardrails run` (guardrails/attach/loaders.py): a loader whose
 model is its result, and one whose model is its receiver's `.model` afterwards (the vLLM and
 SGLang model runners' `load_model`), each on a module imported for real."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from guardrails.integrations import tracing
+from guardrails.attach import loaders
 from guardrails.testing import fresh_guardrails
 from tests.attach.modules import module_on_path
 
@@ -46,7 +46,7 @@ def test_a_loader_traces_the_model_it_builds(
 ) -> None:
     with module_on_path(RUNNER, "runner", tmp_path, monkeypatch) as name:
         target = f"{name}:Runner.load_model" if model_at == "self.model" else f"{name}:build"
-        monkeypatch.setattr(tracing, "LOADERS", {target: model_at})
+        monkeypatch.setattr(loaders, "LOADERS", {target: model_at})
         guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
         try:
             (loader,) = guards.trace_configured()
@@ -102,7 +102,7 @@ def test_a_runner_that_overrides_load_model_is_traced_through_its_worker_once(
 ) -> None:
     with module_on_path(WORKER, "worker", tmp_path, monkeypatch) as name:
         monkeypatch.setattr(
-            tracing,
+            loaders,
             "LOADERS",
             {
                 f"{name}:Worker.load_model": "self.model_runner.get_model()",
@@ -130,7 +130,7 @@ def test_a_model_the_engine_drops_is_freed_and_the_next_one_traced(
 ) -> None:
     # `transformers serve` unloads an idle model and loads it again on the next request.
     with module_on_path(RUNNER, "runner", tmp_path, monkeypatch) as name:
-        monkeypatch.setattr(tracing, "LOADERS", {f"{name}:build": "return"})
+        monkeypatch.setattr(loaders, "LOADERS", {f"{name}:build": "return"})
         guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
         try:
             (loader,) = guards.trace_configured()
@@ -150,15 +150,15 @@ def test_a_model_the_engine_drops_is_freed_and_the_next_one_traced(
 def test_a_loaders_model_is_its_result_or_a_path_from_its_receiver() -> None:
     guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
     try:
-        point = tracing.AttachPoint(
+        point = loaders.AttachPoint(
             site="trace",
-            target=tracing.parse_target("m:f"),
-            tensor=tracing.Ref("return"),
+            target=loaders.parse_target("m:f"),
+            tensor=loaders.Ref("return"),
             origin="test",
         )
         for wrong in ("self", "model", "self.net(", "self..model", "return()"):
             with pytest.raises(ValueError, match=re.escape(f"'self.get_model()', not {wrong!r}")):
-                tracing.TracedLoader(point, guards, None, wrong)
+                loaders.TracedLoader(point, guards, None, wrong)
     finally:
         guards.close()
 
@@ -167,7 +167,7 @@ def test_a_trace_that_fails_never_fails_the_engines_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with module_on_path(RUNNER, "runner", tmp_path, monkeypatch) as name:
-        monkeypatch.setattr(tracing, "LOADERS", {f"{name}:Runner.load_model": "self.model"})
+        monkeypatch.setattr(loaders, "LOADERS", {f"{name}:Runner.load_model": "self.model"})
         guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
 
         def broken(model: object) -> None:

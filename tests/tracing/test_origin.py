@@ -90,6 +90,7 @@ def test_an_engine_that_calls_model_forward_directly_gets_its_origin(
 
 
 def test_the_forward_wrapper_keeps_the_signature_and_goes_on_remove() -> None:
+    import copy
     import inspect
 
     model = net("mlp")
@@ -97,6 +98,13 @@ def test_the_forward_wrapper_keeps_the_signature_and_goes_on_remove() -> None:
     with gr.Guardrails(gr.GuardSettings()) as guards, guards.trace(model, NET_MODULES):
         assert "forward" in model.__dict__
         assert inspect.signature(model.forward) == signature  # generate() reads it
+        # A deep copy runs its own forward, not the traced original's.
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            twin.head.weight.mul_(2.0)
+            ids = torch.tensor(CLEAN)
+            assert torch.equal(twin(ids), twin.forward(ids))
+            assert not torch.equal(twin(ids), model(ids))
     assert "forward" not in model.__dict__
 
 

@@ -17,7 +17,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from guardrails.integrations import tracing
+from guardrails.attach import loaders
 from guardrails.names import SITE_NOT_CALLED_EVENT, TRACE_INSTALLED_EVENT, TRACE_NOT_INSTALLED_EVENT
 from guardrails.testing import fresh_guardrails
 from tests.attach.modules import module_on_path
@@ -52,7 +52,7 @@ class CustomRunner(Runner):
 @pytest.fixture
 def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     with module_on_path(ENGINE, "trace_engine", tmp_path, monkeypatch) as name:
-        monkeypatch.setattr(tracing, "LOADERS", {f"{name}:Runner.load_model": "self.model"})
+        monkeypatch.setattr(loaders, "LOADERS", {f"{name}:Runner.load_model": "self.model"})
         yield importlib.import_module(name)
 
 

@@ -1,5 +1,5 @@
 """`guardrails run` traces the model vLLM's Model Runner V2 loads: the loader patch on V2's own
-`GPUModelRunner.load_model` (guardrails/integrations/tracing.py) traces the runner's `.model`
+`GPUModelRunner.load_model` (guardrails/attach/loaders.py) traces the runner's `.model`
 once it is built, with the `[trace]` settings, no code change."""
 
 from __future__ import annotations
