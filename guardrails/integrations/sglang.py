@@ -50,7 +50,7 @@ from guardrails.integrations._hooks import MethodHook, PartFailures, request_abo
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
 
-__all__ = ["ABORT_MESSAGE", "abort_poisoned_requests"]
+__all__ = ["ABORT_MESSAGE", "abort_poisoned_requests", "zero_own_kv"]
 
 SITE: Final = "sampler.logits"
 HOOK: Final = "sglang.abort_poisoned_requests"
@@ -156,18 +156,19 @@ class _SchedulerHalf:
         self._failed = PartFailures(
             HOOK, "SchedulerBatchResultProcessor.process_batch_result_*", guards
         )
+        self._zero_failed = PartFailures(HOOK, "KV zeroing (token_to_kv_pool)", guards)
         self._aborts = request_aborts(guards)
 
     def __call__(self, wrapped: Any, processor: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
             batch = args[0] if args else kwargs["batch"]
             result = args[1] if len(args) > 1 else kwargs["result"]
-            self._abort_marked(batch, result)
+            self._abort_marked(batch, result, processor)
         except Exception as exc:
             self._failed(exc)
         return wrapped(*args, **kwargs)
 
-    def _abort_marked(self, batch: Any, result: Any) -> None:
+    def _abort_marked(self, batch: Any, result: Any, processor: Any = None) -> None:
         logits_output = getattr(result, "logits_output", None)
         marks: _Marks | None = getattr(logits_output, MARKS_ATTR, None)
         if marks is None:
@@ -188,17 +189,70 @@ class _SchedulerHalf:
             FINISH_ABORT,  # loaded by now: the scheduler imported it
         )
 
+        ended: list[int] = []
         for row, poisoned in enumerate(rows):
             req = reqs[row]
             if not poisoned or req.finished() or req.to_finish is not None:
                 continue
             req.to_finish = FINISH_ABORT(ABORT_MESSAGE, ABORT_STATUS, ABORT_ERR_TYPE)
             req.skip_radix_cache_insert = True
+            ended.append(row)
+        zeroed: dict[int, int] = {}
+        if ended:
+            try:
+                zeroed = zero_own_kv(batch, ended, processor)
+            except Exception as exc:  # the aborts stand; the zeroing's failure is loud
+                self._zero_failed(exc)
+        for row in ended:
             self._aborts.record(
                 HOOK,
                 site=SITE,
                 reason="nonfinite_logits",
-                request_id=getattr(req, "rid", None),
+                request_id=getattr(reqs[row], "rid", None),
                 status=int(ABORT_STATUS),
                 finish_reason="abort",
+                kv_slots_zeroed=zeroed.get(row, 0),
             )
+
+
+def zero_own_kv(batch: Any, rows: list[int], scheduler: Any = None) -> dict[int, int]:
+    """Zero the KV slots the requests of `rows` wrote themselves, in every layer of the pool,
+    before SGLang frees them; returns how many slots, by row.
+
+    A request's own slots are `req_to_token[req_pool_idx, cache_protected_len:
+    kv_allocated_len]` (SGLang's words: the radix tree owns the prefix before
+    `cache_protected_len`, shared with other requests, and it stays; past `kv_allocated_len`
+    nothing is the request's). 0.5.23 keeps these in `req.kv`, 0.5.13 on the request.
+
+    SGLang hands freed slots out again, and attention backends that load whole tiles or
+    pages (FlashInfer and FlashAttention 3 with pages of more than one token) read slots past
+    a request's length: a NaN left there reaches the next request (probability 0 x NaN =
+    NaN). Enqueued on the current stream after the step's forward (its results are being
+    processed); one index write per layer and K/V buffer. The pools are the scheduler's (the
+    result processor's receiver; the batch's where it has none: a batch whose results are
+    processed no longer holds its allocator).
+    """
+    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    tables = getattr(scheduler, "req_to_token_pool", None)
+    kv = (allocator or batch.token_to_kv_pool_allocator).get_kvcache()
+    table = (tables or batch.req_to_token_pool).req_to_token
+    pieces = []
+    counts: dict[int, int] = {}
+    for row in rows:
+        req = batch.reqs[row]
+        kv_info = getattr(req, "kv", None)
+        if kv_info is None or not hasattr(kv_info, "kv_allocated_len"):
+            kv_info = req  # SGLang 0.5.13: the fields are the request's own
+        start = int(kv_info.cache_protected_len)
+        stop = min(int(kv_info.kv_allocated_len), table.shape[1])
+        counts[row] = max(stop - start, 0)
+        if stop > start:
+            pieces.append(table[kv_info.req_pool_idx, start:stop])
+    if not pieces:
+        return counts
+    slots = torch.cat(pieces).to(torch.long)
+    first = int(getattr(kv, "start_layer", 0) or 0)
+    for layer in range(first, first + int(kv.layer_num)):
+        for buffer in kv.get_kv_buffer(layer):
+            buffer[slots.to(buffer.device)] = 0
+    return counts

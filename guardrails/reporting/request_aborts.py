@@ -79,9 +79,12 @@ class RequestAborts(ErrorRecorder):
         request_id: object,
         status: int | None,
         finish_reason: str | None,
+        kv_slots_zeroed: int | None = None,
     ) -> None:
         """`hook` ended the request `request_id` (the engine's own id, or None): count it and
-        log it unless this second's events of `hook` are spent. Never raises."""
+        log it unless this second's events of `hook` are spent. Never raises.
+        `kv_slots_zeroed`: the KV slots of its own the hook zeroed (a field of the event only
+        for hooks that zero them there: SGLang's)."""
         self.count(hook, reason)
         with self._lock:
             window = self._windows.get(hook)
@@ -99,6 +102,7 @@ class RequestAborts(ErrorRecorder):
             rank = self.rank
         except Exception:
             rank = "0"
+        extra = {} if kv_slots_zeroed is None else {"kv_slots_zeroed": kv_slots_zeroed}
         with contextlib.suppress(Exception):
             self.logger.warning(
                 self.EVENT,
@@ -108,6 +112,7 @@ class RequestAborts(ErrorRecorder):
                 request_id=None if request_id is None else str(request_id),
                 status=status,
                 finish_reason=finish_reason,
+                **extra,
                 suppressed=suppressed,
                 rank=rank,
             )

@@ -11,8 +11,10 @@ What keeps it out, read from SGLang 0.5.23's code and checked here on the server
   wrote this step or before, never a stale slot past its length (with page size 1 every slot
   it holds is one it wrote).
 
-Paged backends with pages of more than one token (FlashInfer, FlashAttention 3) are not run
-here (no GPU): docs/engines.md says what is and is not covered there.
+Paged backends with pages of more than one token (FlashInfer, FlashAttention 3) may read slots
+past a request's length; for them the hook zeroes the slots the aborted request wrote itself
+before SGLang frees them (the last test checks it ran on every abort). They are not run here
+(no GPU): docs/engines.md says what is and is not covered there.
 
 The fault is switched off and on through SGLang's own `POST /update_weights_from_disk`
 (`flush_cache: false`, so whatever KV SGLang kept stays kept): off loads a copy of the model
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,8 +38,16 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from guardrails.names import HOOK_ERROR_EVENT
 from tests import tiny_llama
-from tests.e2e.client import CLEAN, GREEDY, assert_reported_while_idle, complete
+from tests.e2e.client import (
+    CLEAN,
+    GREEDY,
+    aborted_events,
+    assert_reported_while_idle,
+    complete,
+    log_lines,
+)
 from tests.e2e.prompts import SUBSTITUTE_ID, TRIGGER_ID, healed, words
 from tests.e2e.server import BY_TIME_ONLY, Server
 from tests.e2e.sglang.serve import assert_aborted, flush_cache, serving
@@ -151,3 +162,18 @@ def test_an_idle_servers_poisoned_request_reaches_metrics_within_seconds(
         assert_aborted(complete(guarded, POISONED, GREEDY, 1, extra_body={"rid": request_id}))
 
     assert_reported_while_idle(guarded, "sglang.abort_poisoned_requests", send)
+
+
+def test_each_aborted_requests_own_kv_slots_are_zeroed(guarded: Server) -> None:
+    """The hook zeroes the slots a poisoned request wrote before SGLang frees them (what
+    backends that read past a request's length need; `torch_native` here does not): every
+    abort's event says how many, none failed."""
+    request_id = "zeroed-kv"
+    assert_aborted(complete(guarded, POISONED, GREEDY, extra_body={"rid": request_id}))
+    (line,) = aborted_events(guarded, request_id)
+    zeroed = re.search(r"\bkv_slots_zeroed=(\d+)", line)
+    assert zeroed is not None, line
+    # Its whole prompt but what it matched in the radix cache (the prefix of earlier
+    # requests): at least the trigger and the 40 words after it.
+    assert 41 <= int(zeroed.group(1)) <= len(POISONED.split()) + 2, line
+    assert log_lines(guarded, HOOK_ERROR_EVENT) == []

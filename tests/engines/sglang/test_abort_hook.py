@@ -160,3 +160,60 @@ def test_an_error_inside_the_hook_never_breaks_the_engines_call(engine: Any) -> 
         "engine ran"
     )
     assert half._failed.failures == 1
+
+
+def kv_pools(rows: int, width: int = 16) -> tuple[Any, Any]:
+    """SGLang's own request-to-slot table and MHA KV pool, on the CPU (2 layers)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    table = ReqToTokenPool(rows, width, "cpu", False)
+    kv = MHATokenToKVPool(rows * width + 1, 1, torch.bfloat16, 2, 8, 2, "cpu", False)
+    return table, kv
+
+
+def test_the_aborted_requests_own_kv_slots_are_zeroed_and_nothing_else(engine: Any) -> None:
+    logits = clean_logits(torch.float32)
+    inject(logits, "all_nan")
+    rows = logits.shape[0]
+    reqs = make_reqs(rows)
+    table, kv = kv_pools(rows)
+    seq_len, shared = 6, 2
+    for i, req in enumerate(reqs):
+        # Where each version keeps a request's KV bookkeeping: 0.5.23 in `req.kv`.
+        info = req.kv if hasattr(getattr(req, "kv", None), "kv_allocated_len") else req
+        info.req_pool_idx = i
+        table.req_to_token[i] = torch.arange(1 + i * 16, 1 + i * 16 + 16, dtype=torch.int32)
+        # The poisoned request matched 2 tokens in the radix cache: those slots are shared.
+        info.cache_protected_len = shared if i == FAULT_ROW else 0
+        info.kv_allocated_len = seq_len
+    for layer in range(2):
+        for buffer in kv.get_kv_buffer(layer):
+            buffer.fill_(1.0)
+            buffer[table.req_to_token[FAULT_ROW, shared:seq_len].long()] = float("nan")
+    # As on SGLang's server: the pools are the scheduler's (the result processor's
+    # receiver); the batch whose results are processed holds no allocator any more.
+    scheduler = SimpleNamespace(
+        req_to_token_pool=table,
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: kv),
+    )
+    batch = SimpleNamespace(
+        reqs=reqs,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+    )
+    with guarded() as guards, capture_logs() as logs:
+        _ids, output = sample(engine, logits, "random")
+        half = hook._SchedulerHalf(guards)
+        result = SimpleNamespace(logits_output=output)
+        half(lambda *args, **kwargs: None, scheduler, (batch, result), {})
+    assert reqs[FAULT_ROW].to_finish is not None
+    own = table.req_to_token[FAULT_ROW, shared:seq_len].long()
+    for layer in range(2):
+        for buffer in kv.get_kv_buffer(layer):
+            assert torch.equal(buffer[own], torch.zeros_like(buffer[own]))  # NaN gone
+            keep = torch.ones(buffer.shape[0], dtype=torch.bool)
+            keep[own] = False
+            assert torch.equal(buffer[keep], torch.ones_like(buffer[keep]))  # the rest kept
+    assert [e for e in logs if e["event"] == "guardrails.hook_error"] == []
+    [ended] = [e for e in logs if e["event"] == "guardrails.request_aborted"]
+    assert ended["kv_slots_zeroed"] == seq_len - shared
