@@ -189,6 +189,13 @@ def profile(server: Server, requests: int, tokens: int, step_ms: float) -> dict[
     }
 
 
+def write_results(path: Path, args: argparse.Namespace, **fields: Any) -> None:
+    """The run's figures as JSON at `path`, with the machine and the command's options."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = {"machine": platform.processor() or platform.machine(), "args": vars(args)}
+    path.write_text(json.dumps({**head, **fields}, indent=2) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=2)
@@ -246,21 +253,14 @@ def main() -> int:
             f"{inside.get('Worker_busy_samples', 0)} busy samples at {PROFILE_RATE}/s)"
         )
     if not args.no_json:
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(
-            json.dumps(
-                {
-                    "machine": platform.processor() or platform.machine(),
-                    "args": vars(args),
-                    "runs": runs,
-                    "medians": median,
-                    "guarded_over_plain_tokens_per_s": ratio,
-                    "added_us_per_step_difference": added_us,
-                    "profile": inside,
-                },
-                indent=2,
-            )
-            + "\n"
+        write_results(
+            OUT,
+            args,
+            runs=runs,
+            medians=median,
+            guarded_over_plain_tokens_per_s=ratio,
+            added_us_per_step_difference=added_us,
+            profile=inside,
         )
     shutil.rmtree(work, ignore_errors=True)
     return 0
