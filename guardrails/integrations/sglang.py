@@ -227,11 +227,23 @@ def zero_own_kv(batch: Any, rows: list[int], scheduler: Any = None) -> dict[int,
     SGLang hands freed slots out again, and attention backends that load whole tiles or
     pages (FlashInfer and FlashAttention 3 with pages of more than one token) read slots past
     a request's length: a NaN left there reaches the next request (probability 0 x NaN =
-    NaN). Enqueued on the current stream after the step's forward (its results are being
-    processed); one index write per layer and K/V buffer. The pools are the scheduler's (the
+    NaN). One index write per layer and K/V buffer, enqueued on SGLang's forward stream where
+    the scheduler has a CUDA one (ordered after the step whose results are processed and the
+    one overlap scheduling launched before processing them, before any later step), else on
+    the current one. The pools are the scheduler's (the
     result processor's receiver; the batch's where it has none: a batch whose results are
     processed no longer holds its allocator).
     """
+    stream = getattr(scheduler, "forward_stream", None)
+    if isinstance(stream, torch.cuda.Stream):
+        # On SGLang's forward stream: after the step already launched under overlap
+        # scheduling (which writes one more slot of the request's) and before any later one.
+        with torch.cuda.stream(stream):
+            return _zero_own_kv(batch, rows, scheduler)
+    return _zero_own_kv(batch, rows, scheduler)
+
+
+def _zero_own_kv(batch: Any, rows: list[int], scheduler: Any) -> dict[int, int]:
     allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
     tables = getattr(scheduler, "req_to_token_pool", None)
     kv = (allocator or batch.token_to_kv_pool_allocator).get_kvcache()
