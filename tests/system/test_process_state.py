@@ -125,7 +125,7 @@ def test_every_lock_guardrails_holds_is_one_the_registry_made() -> None:
     for expected in (
         "guardrails.ops:_LOCK",
         "guardrails.reporting.metrics:_bindings_lock",
-        "guardrails.reporting.mirror:_exchange_lock",
+        "guardrails._cuda:_exchange_lock",
         "guardrails.service:_default_lock",
         "guardrails.service.Guardrails._lock",
         "guardrails._sites.LogitsSite._lock",
