@@ -230,9 +230,9 @@ def zero_own_kv(batch: Any, rows: list[int], scheduler: Any = None) -> dict[int,
     NaN). One index write per layer and K/V buffer, enqueued on SGLang's forward stream where
     the scheduler has a CUDA one (ordered after the step whose results are processed and the
     one overlap scheduling launched before processing them, before any later step), else on
-    the current one. The pools are the scheduler's (the
-    result processor's receiver; the batch's where it has none: a batch whose results are
-    processed no longer holds its allocator).
+    the current one. The pools are the scheduler's (the result processor's receiver; the
+    batch's where it has none: a batch whose results are processed no longer holds its
+    allocator).
     """
     stream = getattr(scheduler, "forward_stream", None)
     if isinstance(stream, torch.cuda.Stream):

@@ -49,8 +49,9 @@ honours `armed` (the host's `switch_on` writes column 3 once, at the first hit: 
 the host ever writes, which no device body writes) and `every:N` (counted on the device, one
 probed replay in N). What a replay costs is the full probe's, whether it writes or not: a
 graph cannot skip a kernel it captured. Calls outside a capture keep the host switch and cost
-nothing while it is off. An `always` trace records the plain bodies, which are the gated ones
-with the switch on.
+nothing while it is off. An `always` trace's eager hooks record the plain bodies; compiled
+code records the gated ones for every trace (the op cannot see the mode), which with an
+`always` trace's switch (on, every 1) do what the plain ones do.
 """
 
 from __future__ import annotations
