@@ -1,18 +1,24 @@
-"""CPU fast path: one reduction proves a clean batch clean; exact work only where it is not.
+"""CPU fast path: one pass of sums proves a clean batch clean; exact work only where it is not.
 
 On a CPU a host branch is free, so the work follows the data:
 
 1. One pass of sums. A finite sum proves there is no NaN and no +/-Inf in what it covers
    (both propagate through addition); `sum` is torch's cheapest full reduction on CPU for all
-   three dtypes (`amax` is 2-4x slower on the 16-bit ones). On a large batch the sums are
-   taken per chunk of each row (`[rows, chunks]`): the same pass, and it tells where a bad
-   value is. Float16 is always chunked (~1K values, so chunk sums of real logits cannot
-   overflow the dtype, where a whole-row sum would); a small float32/bfloat16 batch is
-   summed whole and chunked only when that sum is not finite.
-2. A chunk whose sum is NaN or +Inf holds a NaN or +Inf (or overflowed: a false alarm, which
-   costs time, never correctness). A -Inf sum means -Inf masks and nothing worse, so it is
-   looked at only when -Inf is counted or when no chunk of its row is finite or +Inf (the row
-   may hold no valid entry).
+   three dtypes (`amax` is 2-4x slower on the 16-bit ones). Float32/bfloat16/float64 are
+   summed per row, the floor's own reduction (`x.sum(-1)`): each thread takes whole rows.
+   One sum of the batch combines per-thread partial sums (5-15% slower at B=8); per-chunk
+   sums `[rows, chunks]` make many short reductions (1.1-1.65x the floor at B=16-64, where
+   row sums are 1.02-1.08x; measured on 2 cores, V=151936). The site runs this check itself
+   for a small batch (`check`); one row, or a tensor too small for torch to split, is summed
+   whole. Float16 is summed per chunk of each row (~1K values, so chunk sums of real logits
+   cannot overflow the dtype, where a row sum would): the same pass tells where a bad value
+   is.
+2. Where a sum is not finite, chunk sums tell where: of each row whose sum is not finite (a
+   large batch), or of every row (a small batch whose check failed: one more pass, cheap at
+   that size). A chunk whose sum is NaN or +Inf holds a NaN or +Inf (or overflowed: a false
+   alarm, which costs time, never correctness). A -Inf sum means -Inf masks and nothing
+   worse, so it is looked at only when -Inf is counted or when no chunk of its row is finite
+   or +Inf (the row may hold no valid entry).
 3. The selected chunks are gathered, classified exactly, healed with one `nan_to_num_` and
    written back; the per-row verdicts are assembled on the host from a few numbers.
 
@@ -40,15 +46,22 @@ __all__ = ["CPU_KERNEL", "CpuLogitsKernel", "chunk_sums", "guard_logits_cpu_"]
 _INF = math.inf
 _NEG_INF = -math.inf
 # Target chunk lengths (values per chunk sum). Float16: 1K values of magnitude < 64 cannot
-# overflow 65504. Bfloat16 reduces as fast in 1K chunks as in whole rows; float32 needs ~4K
-# to stay within a few percent of a plain sum (measured on 2 cores, V=151936). Short chunks
-# keep the exact work on a dirty one small.
+# overflow 65504, and its chunk sums are the clean check too. Float32/bfloat16 rows are
+# chunked only where their sum is not finite. Short chunks keep the exact work on a dirty
+# one small.
 _TARGET_CHUNK = {torch.float16: 1024, torch.bfloat16: 1024}
 _DEFAULT_TARGET_CHUNK = 4096
-# Below this many values (13 rows of a 151936 vocab) the clean check is one plain sum: the
-# chunk view and the second small reduction would cost a visible share of the call, and a
-# dirty call, dominated there by per-op overhead anyway, pays one more pass for its chunks.
+# Below this many values (13 rows of a 151936 vocab) the site's check sums the rows (the
+# Python of two layers would be a visible share of the call), and a dirty call chunk-sums
+# every row: one more pass, dominated at that size by per-op overhead anyway. From it the
+# kernel sums the rows itself and chunk-sums only those that are not finite.
 _CHUNKED_CHECK_MIN = 1 << 21
+# From this many values (torch's parallel grain size) the small check sums rows, not the
+# batch: below it one thread reduces either way, and `.item()` is cheaper than a list.
+_ROW_SUMS_MIN = 1 << 15
+# Runs of consecutive rows whose sums are not finite, chunk-summed one by one; past this, the
+# whole batch is (a few small ops per run against one more pass).
+_MAX_RUNS = 16
 _FIELD_BITS = 16  # per count in a `_tallies` code: chunks stay shorter than 65536
 _FIELD = (1 << _FIELD_BITS) - 1
 _NAN = int(RowFlag.NAN)
@@ -118,12 +131,21 @@ class _Workspace:
 
 
 def _small_and_clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool | None:
-    """The clean check of a small float32/bfloat16 batch: one plain sum. True: clean (flags
-    settled); False: not finite; None: not a small batch (the chunked check applies)."""
+    """The clean check of a small float32/bfloat16 batch. True: clean (flags settled);
+    False: not finite; None: float16 or a large batch (the kernel's own check applies).
+
+    Row sums where torch splits the rows between its threads (see the module docstring),
+    added up on the host: a NaN or +/-Inf in any of them stays in the total. One row, or a
+    tensor too small to split: one sum and `.item()`, cheaper than a list."""
     values = x.numel()
     if x.dtype is torch.float16 or values >= _CHUNKED_CHECK_MIN or not values:
         return None  # not values: an empty vocabulary, whose rows have no valid token
-    if not math.isfinite(x.sum().item()):
+    if values < _ROW_SUMS_MIN or flags.numel() == 1:
+        total = x.sum().item()
+    else:
+        sums = x.sum(-1)
+        total = sum(sums.tolist() if x.dim() == 2 else sums.view(-1).tolist())
+    if not math.isfinite(total):
         return False
     if ws.extent:
         _zero_flags(flags, ws)
@@ -145,25 +167,66 @@ def guard_logits_cpu_(
         small = _small_and_clean(x, flags, ws)
     if small:
         return
-    if small is False:
-        plan = ws.plan(x.shape[1], x.dtype)
+    plan = ws.plan(x.shape[1], x.dtype)
+    if small is False:  # a small batch whose check failed: chunk sums of every row
+        _guard_chunks_(x, chunk_sums(x, *plan), plan, flags, counts, spec, ws)
+        return
+    if x.dtype is torch.float16:
         sums = chunk_sums(x, *plan)
-    else:
-        plan = ws.plan(x.shape[1], x.dtype)
-        sums = chunk_sums(x, *plan)
-        if _all_finite(sums):
-            if ws.extent:
-                _zero_flags(flags, ws)
+        if not _all_finite(sums):
+            _guard_chunks_(x, sums, plan, flags, counts, spec, ws)
             return
-    _guard_chunks_(x, sums, plan, flags, counts, spec, ws)
+    else:
+        bad = _nonfinite_rows(x)
+        if bad:
+            sums, of_rows = _row_chunk_sums(x, bad, plan)
+            _guard_chunks_(x, sums, plan, flags, counts, spec, ws, of_rows)
+            return
+    if ws.extent:
+        _zero_flags(flags, ws)
 
 
-def _candidates(sums: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Flat indices and values of the non-finite chunk sums."""
+def _nonfinite_rows(x: torch.Tensor) -> list[int]:
+    """The rows of `x` whose sums are not finite (the rows that may hold a bad value)."""
+    # On the host: one list, where finding the rows on the device would take four small ops
+    # (each 10-25 us right after a large reduction, measured). A float64 total that overflows
+    # from finite row sums is a false alarm: no row is returned.
+    sums: list[float] = x.sum(-1).tolist()
+    if math.isfinite(sum(sums)):
+        return []
+    return [row for row, value in enumerate(sums) if not math.isfinite(value)]
+
+
+def _row_chunk_sums(
+    x: torch.Tensor, rows: list[int], plan: tuple[int, int]
+) -> tuple[torch.Tensor, list[int] | None]:
+    """Chunk sums of rows `rows` (ascending) of `x`, and the rows they are of (None: every
+    row). A run of consecutive rows is summed in place, not copied out: a copy of three
+    scattered rows measured 3-4x their sums (it reads and writes them once more). Past
+    `_MAX_RUNS` runs, every row is summed: one pass, fewer small ops."""
+    runs: list[list[int]] = []  # [first row, rows]
+    for row in rows:
+        if runs and runs[-1][0] + runs[-1][1] == row:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, 1])
+    if len(runs) > _MAX_RUNS:
+        return chunk_sums(x, *plan), None
+    parts = [chunk_sums(x.narrow(0, first, n), *plan) for first, n in runs]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), rows
+
+
+def _candidates(sums: torch.Tensor, rows: list[int] | None) -> tuple[list[int], list[float]]:
+    """Flat `row * chunks + chunk` ids in `x` and values of the non-finite chunk sums; row `i`
+    of `sums` is row `rows[i]` of `x` (every row in order where `rows` is None)."""
     flat = sums.view(-1)
     # x * 0 is NaN exactly where x is NaN or +/-Inf; two cheap ops where `isfinite` is five.
     where = (flat * 0).isnan().nonzero().view(-1)
-    return where.tolist(), flat[where].tolist()
+    ids: list[int] = where.tolist()
+    if rows is not None:
+        n_chunks = sums.shape[1]
+        ids = [rows[i // n_chunks] * n_chunks + i % n_chunks for i in ids]
+    return ids, flat[where].tolist()
 
 
 def _tallies(values: torch.Tensor) -> list[int]:
@@ -179,11 +242,13 @@ def _tallies(values: torch.Tensor) -> list[int]:
     return [int(code) for code in weights.sum(-1).tolist()]
 
 
-def _select(sums: torch.Tensor, count_neginf: bool) -> tuple[list[int], dict[int, int]]:
+def _select(
+    sums: torch.Tensor, rows: list[int] | None, count_neginf: bool
+) -> tuple[list[int], dict[int, int]]:
     """Flat `row * chunks + chunk` ids of the chunks to examine, and for each row that may
     hold no valid entry, its number of chunks (all of them are selected)."""
     n_chunks = sums.shape[1]
-    where, values = _candidates(sums)
+    where, values = _candidates(sums, rows)
     # A row is empty only if every chunk sum is NaN or -Inf (no finite or +Inf chunk).
     masked: dict[int, int] = {}
     for flat, value in zip(where, values, strict=True):
@@ -210,11 +275,14 @@ def _guard_chunks_(
     counts: torch.Tensor,
     spec: HealSpec,
     ws: _Workspace,
+    rows: list[int] | None = None,
 ) -> None:
+    """Exact work on the chunks `sums` flags; row `i` of `sums` is row `rows[i]` of `x`
+    (every row in order where `rows` is None)."""
     vocab = x.shape[1]
     chunk, count = plan
     n_chunks = sums.shape[1]  # count, plus one for a tail
-    selected, empty = _select(sums, spec.count_neginf)
+    selected, empty = _select(sums, rows, spec.count_neginf)
     if not selected:
         # Only -Inf masks (not counted here) and no empty row: clean after all.
         if ws.extent:
@@ -337,8 +405,8 @@ class CpuLogitsKernel:
     @staticmethod
     def check(x: torch.Tensor, flags: torch.Tensor, ws: Any) -> bool:
         """The site's first step (see `LogitsKernel`): a small float32/bfloat16 batch proved
-        clean by one sum. At B=1 the whole call is a ~15 us sum, and every Python layer
-        between the site and it shows in the ratio."""
+        clean by one pass of sums. At B=1 the whole call is a ~15 us sum, and every Python
+        layer between the site and it shows in the ratio."""
         small = _small_and_clean(x, flags, ws)
         if small is False:
             ws.checked = False  # not finite: the kernel call that follows skips the sum

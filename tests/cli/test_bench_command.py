@@ -10,7 +10,7 @@ import pytest
 from guardrails.cli.bench import measure as bench
 from guardrails.cli.main import main
 
-METHODS = {"guard", "sglang", "nan_to_num", "amax", "sum", "floor"}
+METHODS = {"guard", "kernel", "sglang", "nan_to_num", "amax", "sum", "floor"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,12 @@ def test_bench_smoke_measures_every_batch_dtype_and_state(
     for case in cases:
         assert set(case["median_us"]) == METHODS
         assert all(value > 0 for value in case["median_us"].values())
-        assert set(case["ratios"]) == {"guard_vs_floor", "sglang_vs_guard", "nan_to_num_vs_guard"}
+        assert set(case["ratios"]) == {
+            "guard_vs_floor",
+            "kernel_vs_floor",
+            "sglang_vs_guard",
+            "nan_to_num_vs_guard",
+        }
 
 
 def test_bench_dirty_calls_each_heal_fresh_bad_values(smoke: tuple[dict[str, object], str]) -> None:
@@ -84,3 +89,14 @@ def test_bench_rejects_a_bad_batch_list(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         main(["bench", "--batches", "1,0"])
     assert "batch sizes must be >= 1" in capsys.readouterr().err
+
+
+def test_a_row_shows_the_kernel_alone_and_a_dash_where_it_was_not_timed() -> None:
+    times = {"guard": 12.0, "kernel": 10.5, "floor": 10.0, "sglang": 90.0, "nan_to_num": 9.0}
+    ratios = {"guard_vs_floor": 1.2, "sglang_vs_guard": 7.5, "nan_to_num_vs_guard": 0.75}
+    timed = bench.CaseResult(8, "float32", "clean", 0, times, 5, ratios)
+    assert bench.format_row(timed).split()[3:6] == ["12.0", "10.5", "10.0"]
+    # Results written before the kernel was timed on its own still print.
+    del times["kernel"]
+    older = bench.CaseResult(8, "float32", "clean", 0, times, 5, ratios)
+    assert bench.format_row(older).split()[3:6] == ["12.0", "-", "10.0"]

@@ -1,5 +1,6 @@
-"""What is particular to the CPU kernel: its chunked check of large batches, float16 chunk sums,
--inf masks, flags left by earlier calls, the chunk plan. The random-input contract of every
+"""What is particular to the CPU kernel: its row sums (the site's check of small batches, its
+own of large ones), chunk sums of the rows that are not finite, float16 chunk sums, -inf
+masks, flags left by earlier calls, the chunk plan. The random-input contract of every
 kernel is `test_logits_contract.py`; here, the shapes that reach the CPU kernel's own paths
 (a real 151,936 vocabulary, most rows dirty) are held to the oracle."""
 
@@ -46,16 +47,44 @@ def test_float16_chunk_sums_of_large_logits_do_not_raise_false_alarms(vocab: int
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_large_batches_use_the_chunked_check_and_do_what_the_oracle_says(
+def test_large_batches_chunk_the_rows_that_are_not_finite_as_the_oracle_says(
     dtype: torch.dtype,
 ) -> None:
-    # 16 rows of a real vocabulary: past the size where the clean check is one plain sum.
+    # 16 rows of a real vocabulary: past the size of the site's check; the kernel sums the
+    # rows itself (float16: chunks), then chunk-sums the rows that are not finite, run by run.
     x = (torch.randn(16, 151936) * 4 - 3).to(dtype)
     x[3, [0, 70_000, 151935]] = math.nan
     x[9, 12_345] = math.inf
     x[12] = -math.inf
     x[14, ::7] = -math.inf
     _assert_as_the_oracle_says(CPU_KERNEL, x, Mode())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_large_batch_rows_with_a_tail_chunk_do_what_the_oracle_says(dtype: torch.dtype) -> None:
+    # 131073 = 32 chunks of 4096 (128 of 1024) and a one-column tail, in 16 rows: past the
+    # site's check. A bad value in a body chunk and in the tail of scattered rows, and
+    # consecutive rows, map back to their rows of `x`.
+    vocab = 131073
+    x = (torch.randn(16, vocab, generator=torch.Generator().manual_seed(1)) * 4 - 3).to(dtype)
+    x[2, vocab - 1] = math.nan
+    x[7, 40_000] = math.inf
+    x[7, vocab - 1] = -math.inf
+    x[11] = -math.inf
+    x[12, 5] = math.nan
+    for mode in (Mode(), Mode(count_neginf=True)):
+        _assert_as_the_oracle_says(CPU_KERNEL, x.clone(), mode)
+    _assert_as_the_oracle_says(CPU_KERNEL, x[11:13].repeat(8, 1), Mode())
+
+
+def test_many_scattered_dirty_rows_of_a_large_batch_do_what_the_oracle_says() -> None:
+    # 20 runs of dirty rows (every other row of 40), more than are chunk-summed run by run:
+    # every row is chunk-summed instead.
+    x = (torch.randn(40, 65536, generator=torch.Generator().manual_seed(2)) * 4 - 3).bfloat16()
+    x[::2, 7] = math.nan
+    x[2::4, 60_000] = math.inf
+    x[6] = -math.inf
+    _assert_as_the_oracle_says(CPU_KERNEL, x, Mode(count_neginf=True))
 
 
 def test_neginf_masks_in_every_chunk_leave_rows_unflagged() -> None:
@@ -66,6 +95,35 @@ def test_neginf_masks_in_every_chunk_leave_rows_unflagged() -> None:
     outcome = KernelDriver(CPU_KERNEL, Mode())(x)
     assert outcome.flags.tolist() == [0, 0, 1]
     assert outcome.counts == _counts(nan=1, rows_nonfinite=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(2, 16384), (8, 151936), (2, 3, 8192)], ids=str)
+def test_small_batches_checked_row_by_row_do_what_the_oracle_says(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    # Large enough for torch to share the rows between threads, under the chunked check's
+    # size: one sum per row, added up on the host.
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 4 - 3).to(dtype)
+    _assert_as_the_oracle_says(CPU_KERNEL, x.clone(), Mode())
+    # Row 0 stays clean: a check that missed any other row would miss what follows.
+    rows = x.view(-1, shape[-1])
+    rows[1, 5] = math.inf  # +Inf and -Inf row sums: their total is NaN
+    rows[-1, 7] = -math.inf
+    for mode in (Mode(), Mode(count_neginf=True)):
+        _assert_as_the_oracle_says(CPU_KERNEL, x.clone(), mode)
+    rows[-1, ::3] = math.nan
+    _assert_as_the_oracle_says(CPU_KERNEL, x, Mode())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_row_sums_that_overflow_leave_a_clean_batch_clean(dtype: torch.dtype) -> None:
+    # Finite values whose row sums overflow: the exact pass that follows finds nothing.
+    x = torch.full((4, 16384), torch.finfo(dtype).max / 2, dtype=dtype)
+    x[1] *= -1
+    outcome = KernelDriver(CPU_KERNEL, Mode())(x)
+    assert outcome.flags.tolist() == [0, 0, 0, 0]
+    assert outcome.counts == _counts()
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS.values(), ids=CPU_KERNELS.keys())
@@ -94,13 +152,14 @@ def test_flags_left_by_a_dirty_call_are_cleared_by_later_calls(kernel: CpuLogits
     assert buffer.tolist() == [0, 0, 0, 0]
 
 
-def test_the_sites_clean_check_proves_clean_batches_and_hands_dirty_ones_on() -> None:
+@pytest.mark.parametrize("vocab", [50, 16384], ids=["one_sum", "row_sums"])
+def test_the_sites_clean_check_proves_clean_batches_and_hands_dirty_ones_on(vocab: int) -> None:
     spec = Mode().spec(torch.float32)
     ws = CPU_KERNEL.workspace(4, torch.device("cpu"))
     flags = torch.zeros(4, dtype=torch.uint8)
     counts = torch.zeros(len(LOGITS_SLOTS), dtype=torch.int64)
-    assert CPU_KERNEL.check(torch.randn(4, 50), flags, ws)
-    dirty = torch.randn(4, 50)
+    assert CPU_KERNEL.check(torch.randn(4, vocab), flags, ws)
+    dirty = torch.randn(4, vocab)
     dirty[1, 7] = math.nan
     assert not CPU_KERNEL.check(dirty, flags, ws)
     assert ws.checked is False  # the kernel call that follows need not sum again

@@ -20,8 +20,9 @@ def register(sub: Any) -> None:
     parser: argparse.ArgumentParser = sub.add_parser(
         "bench",
         help="benchmark the guard against an SGLang-style sanitizer and one read of the logits",
-        description="Median time of a guarded call, the SGLang-style sanitizer, nan_to_num_ "
-        "alone and the floor (amax or sum), for B in --batches x V x dtype x {clean, 1%% dirty}.",
+        description="Median time of a guarded call, its kernel alone, the SGLang-style "
+        "sanitizer, nan_to_num_ alone and the floor (amax or sum), for B in --batches x V x "
+        "dtype x {clean, 1%% dirty}.",
     )
     parser.add_argument(
         "--device", default="auto", help="cpu, cuda or auto (cuda when available; default)"

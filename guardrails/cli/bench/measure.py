@@ -5,6 +5,9 @@ process and interleaved call by call, the median time of:
 
 - `guard`: a real `LogitsSite` call through a `Guardrails` instance with default settings
   (reporting included): what users pay;
+- `kernel`: the kernel that site chose, called directly with buffers of its own: `guard`
+  minus `kernel` is what the site's layer costs, `kernel` minus `floor` what the kernel does
+  beyond one read;
 - `sglang`: the SGLang-style sanitizer (`isnan(x).any()` added into a device counter, a
   non-blocking copy to a host mirror, then `nan_to_num_(nan=-1e30, posinf=1e30,
   neginf=-1e30)`);

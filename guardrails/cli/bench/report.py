@@ -14,8 +14,10 @@ __all__ = ["format_row", "format_table", "write_json"]
 def format_row(case: CaseResult) -> str:
     """One case's line of the table."""
     m, r = case.median_us, case.ratios
+    # Results written before the kernel was timed on its own have no kernel figures.
+    kernel = f"{m['kernel']:>10.1f}" if "kernel" in m else f"{'-':>10}"
     line = (
-        f"{case.dtype:<9} {case.batch:>4} {case.state:<5} {m['guard']:>10.1f} "
+        f"{case.dtype:<9} {case.batch:>4} {case.state:<5} {m['guard']:>10.1f} {kernel} "
         f"{m['floor']:>10.1f} {r['guard_vs_floor']:>7.2f}x {m['sglang']:>10.1f} "
         f"{r['sglang_vs_guard']:>7.1f}x {m['nan_to_num']:>10.1f}"
     )
@@ -33,7 +35,7 @@ def format_table(result: BenchResult) -> str:
         f"{machine.torch_threads} threads, kernel {result.kernel})",
         f"timing: {result.timing}",
         "",
-        f"{'dtype':<9} {'B':>4} {'state':<5} {'guard us':>10} {'floor us':>10} "
+        f"{'dtype':<9} {'B':>4} {'state':<5} {'guard us':>10} {'kernel us':>10} {'floor us':>10} "
         f"{'g/floor':>8} {'sglang us':>10} {'sgl/g':>8} {'n2n us':>10}"
         + (f" {'1 read us':>10} {'g/read':>7}" if cuda else ""),
     ]
