@@ -11,10 +11,12 @@ server it prints decode tokens/s (completion tokens / wall time of the batch) an
 engine step (the mean of vLLM's own `vllm:inter_token_latency_seconds` over the batch: each
 running request gets a token per step); guardrails' added host time per step is their
 difference.
-Then, on the guarded server, a sampling profile (py-spy, when installed:
-`pip install py-spy`) of the engine core and the worker during one more batch counts the
-samples whose stack holds a frame of guardrails' own code (the patch wrappers, site calls,
-hook halves, heartbeat, reporter): guardrails' host time per step from the inside.
+Then, on the first guarded server, a deterministic profile (`cProfile`, started and stopped by
+signals through a vLLM plugin, `benchmarks.frame_profile`) of the engine core's and the worker's
+main threads over `PROFILE_BATCHES` more batches sums the time in guardrails' own code (the
+patch wrappers, site calls, hook halves, heartbeat, reporter, and the torch ops they call; not
+the engine methods the wrappers call): guardrails' host time per step from the inside, per
+profiled step and scaled to the unprofiled step time. The plugin is on both servers' path.
 Writes benchmarks/results/vllm_server_cost.json. Minutes: each server start compiles the model.
 """
 
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,20 +43,18 @@ sys.path[:0] = [str(ROOT)]
 import openai  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from benchmarks import frame_profile  # noqa: E402
 from tests import tiny_llama  # noqa: E402
 from tests.e2e.client import CLEAN  # noqa: E402
 from tests.e2e.server import Server  # noqa: E402
 from tests.e2e.vllm.launch import vllm_server  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "vllm_server_cost.json"
-PROFILE_RATE = 1000  # samples per second
-PROFILE_BATCHES = 4  # profiled batches: enough samples to see a few percent
+PROFILE_BATCHES = 4  # profiled batches: about a thousand engine steps
+TOP_FUNCTIONS = 15  # guardrails' functions printed and kept per process
 # What a deployment runs with: the settings' defaults, not the e2e suite's (which reports at
 # every call and judges liveness every 8 steps).
 DEFAULTS = {"GUARDRAILS_REPORT_EVERY": "32", "GUARDRAILS_LIVENESS_STEPS": "256"}
-GUARDRAILS_FRAME = str(ROOT / "guardrails") + "/"
-# Where vLLM's processes wait for work (busy-waiting, so py-spy counts them as active).
-IDLE_FRAMES = ("sched_yield (", "SpinCondition.wait (", "memory_fence (", "acquire_read")
 
 
 def scrape(server: Server) -> dict[str, float]:
@@ -132,60 +134,60 @@ def _children(pid: int) -> dict[str, int]:
     return found
 
 
-def profile(server: Server, requests: int, tokens: int, step_ms: float) -> dict[str, Any] | None:
-    """guardrails' host time per engine step from py-spy samples, or None without py-spy."""
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not Path(spy).exists():
-        return None
+def profile(
+    server: Server, requests: int, tokens: int, step_ms: float, where: Path
+) -> dict[str, Any]:
+    """guardrails' host time per engine step from a deterministic profile of the engine core's
+    and the worker's main threads (`benchmarks.frame_profile`, loaded as a vLLM plugin) over
+    `PROFILE_BATCHES` batches."""
     procs = _children(server.pid)
-    outs = {name: Path(tempfile.mkstemp(suffix=".txt")[1]) for name in procs}
-    # Blocking (py-spy pauses the process for each sample): --nonblocking reads stacks while
-    # they change and lost most of the worker's busy frames here. The pauses slow the server
-    # but not the share of samples in guardrails' frames, which is what is counted.
-    record = [spy, "record", "--rate", str(PROFILE_RATE), "--format", "raw", "--full-filenames"]
-    spies = [
-        subprocess.Popen(
-            [*record, "--pid", str(pid), "--output", str(outs[name]), "--duration", "600"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+    if set(procs) != {"EngineCore", "Worker"}:
+        raise RuntimeError(
+            f"expected vLLM's engine core and worker under the server, found {procs}"
         )
-        for name, pid in procs.items()
-    ]
-    time.sleep(2.0)  # py-spy attached
+    for old in where.glob("*.prof"):
+        old.unlink()
+    for pid in procs.values():
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(0.5)  # each busy loop reaches Python and runs its handler
     before = scrape(server)["guard_calls"]
     wall = sum(batch(server, requests, tokens)[0] for _ in range(PROFILE_BATCHES))
     taken = scrape(server)["guard_calls"] - before  # engine steps that sampled
-    for proc in spies:
-        proc.send_signal(2)  # SIGINT: py-spy writes what it has
-    for proc in spies:
-        proc.wait(timeout=60)
-    ours: dict[str, float] = {}
-    for name, path in outs.items():
-        total = mine = idle = 0
-        for line in path.read_text().splitlines():
-            stack, _, count = line.rpartition(" ")
-            total += int(count)
-            # Self time: the innermost Python frame is guardrails' (its own code and the torch
-            # calls it makes). A wrapper frame further down (the hook halves around vLLM's
-            # _bookkeeping_sync) is vLLM's time, not guardrails'.
-            if GUARDRAILS_FRAME in stack.rpartition(";")[2]:
-                mine += int(count)
-            elif any(wait in stack for wait in IDLE_FRAMES):
-                idle += int(count)
-        ours[name] = mine / PROFILE_RATE  # seconds of samples in guardrails' frames
-        ours[f"{name}_samples"] = total
-        ours[f"{name}_busy_samples"] = total - idle
-        path.unlink()
-    seconds = sum(ours[name] for name in outs)
-    # py-spy's pauses stretch every step alike: guardrails' share of a profiled step, applied
-    # to the step time measured unprofiled (`step_ms`).
+    for pid in procs.values():
+        os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 60
+    files = {name: where / f"{pid}.prof" for name, pid in procs.items()}
+    while not all(path.exists() for path in files.values()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no profile written: {files}")
+        time.sleep(0.2)
+    time.sleep(1.0)  # dump_stats finished writing
+    found = {name: frame_profile.guardrails_time(path) for name, path in files.items()}
+    seconds = sum(got["seconds"] for got in found.values())
+    # cProfile slows every call, the engine's as much as guardrails': guardrails' share of a
+    # profiled step, applied to the step time measured unprofiled (`step_ms`), as well.
     profiled_step_s = wall / taken
     return {
+        "guard_us_per_profiled_step": 1e6 * seconds / taken,
         "guard_us_per_step": 1e6 * seconds / taken * (step_ms / 1e3) / profiled_step_s,
+        "guard_calls_per_step": sum(got["calls"] for got in found.values()) / taken,
         "profiled_step_ms": 1e3 * profiled_step_s,
         "steps": taken,
         "wall_s": wall,
-        **ours,
+        **{
+            name: {
+                "guard_s": got["seconds"],
+                "profiled_s": got["total"],
+                "calls": got["calls"],
+                # guardrails' functions by their time (own + direct non-engine callees): us
+                # per step, calls per step
+                "functions": [
+                    (function, 1e6 * spent / taken, calls / taken)
+                    for function, spent, calls in got["functions"][:TOP_FUNCTIONS]
+                ],
+            }
+            for name, got in found.items()
+        },
     }
 
 
@@ -207,6 +209,13 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vllm-server-cost-"))
     model = tiny_llama.save(work / "model", tiny_llama.FAULT_NAN_ROW)
+    profiles = work / "profiles"
+    profiles.mkdir()
+    path = [str(frame_profile.plugin_dir(work / "plugin")), os.environ.get("PYTHONPATH", "")]
+    plugin = {
+        "PYTHONPATH": os.pathsep.join(p for p in path if p),
+        frame_profile.DIR_VARIABLE: str(profiles),
+    }
     runs: list[dict[str, Any]] = []
     inside: dict[str, Any] | None = None
     for pair in range(args.pairs):
@@ -214,10 +223,12 @@ def main() -> int:
         for guarded in order:
             name = "guarded" if guarded else "plain"
             log = work / f"{pair}-{name}.log"
-            with vllm_server(model, log, guarded_run=guarded, settings=DEFAULTS) as server:
+            with vllm_server(
+                model, log, guarded_run=guarded, settings=DEFAULTS, env=plugin
+            ) as server:
                 got = measure(server, args.requests, args.tokens)
                 if guarded and inside is None:
-                    inside = profile(server, args.requests, args.tokens, got["step_ms"])
+                    inside = profile(server, args.requests, args.tokens, got["step_ms"], profiles)
             runs.append({"pair": pair, "mode": name, "start_s": server.started_in_s, **got})
             print(
                 f"pair {pair} {name:<8} {got['tokens_per_s']:8.0f} tok/s  "
@@ -242,16 +253,18 @@ def main() -> int:
         f"ms/step; guarded/plain tokens/s {ratio:.3f}; added per step (difference) "
         f"{added_us:.0f} us"
     )
-    if inside is None:
-        print("profile: py-spy not installed (pip install py-spy): no inside figure")
-    else:
+    if inside is not None:
         print(
-            f"profile of the guarded server: guardrails' frames {inside['guard_us_per_step']:.0f}"
-            f" us per engine step ({inside['steps']:.0f} steps; engine core "
-            f"{inside.get('EngineCore', 0.0):.3f} s of {inside.get('EngineCore_busy_samples', 0)} "
-            f"busy samples, worker {inside.get('Worker', 0.0):.3f} s of "
-            f"{inside.get('Worker_busy_samples', 0)} busy samples at {PROFILE_RATE}/s)"
+            f"profile of the guarded server: guardrails' code "
+            f"{inside['guard_us_per_profiled_step']:.0f} us per profiled step "
+            f"({inside['profiled_step_ms']:.2f} ms), {inside['guard_us_per_step']:.0f} us scaled "
+            f"to the unprofiled step; {inside['guard_calls_per_step']:.1f} guardrails function "
+            f"calls per step over {inside['steps']:.0f} steps (engine core "
+            f"{inside['EngineCore']['guard_s']:.3f} s, worker {inside['Worker']['guard_s']:.3f} s)"
         )
+        for process in ("Worker", "EngineCore"):
+            for function, us, calls in inside[process]["functions"]:
+                print(f"  {process:<10} {us:7.1f} us/step  {calls:5.2f} calls/step  {function}")
     if not args.no_json:
         write_results(
             OUT,
