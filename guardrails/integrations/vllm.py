@@ -59,6 +59,7 @@ Any exception of ours is logged once and the engine's call goes on as if unhooke
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -489,8 +490,10 @@ class _SchedulerHalf:
         return poisoned
 
     @staticmethod
+    @functools.cache
     def _engine_types() -> tuple[Any, Any, Any]:
-        # Late: this runs inside the engine, after vLLM is imported.
+        # Late: this runs inside the engine, after vLLM is imported. Once: an import statement
+        # costs about 10 us even for a loaded module, and this runs at every step.
         # vLLM is not installed where guardrails is type-checked.
         from vllm.v1.engine import (  # type: ignore[import-not-found, unused-ignore]
             EngineCoreOutput,

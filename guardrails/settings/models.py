@@ -22,6 +22,7 @@ Each field is a kind of value from `guardrails.settings.fields` (which checks it
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import os
 from collections.abc import Mapping
@@ -92,6 +93,12 @@ _BOOL = "true or false (also 1/0, yes/no, on/off)"
 _ID = "an integer >= 0"
 _SITES = "comma-separated site names or glob patterns"
 _ABORT_FLAGS = "row flag names: nan, posinf, neginf, no_valid_token, any; [] heals and carries on"
+
+
+@functools.cache
+def _flag_mask(names: tuple[str, ...]) -> int:
+    # Engine hooks read a site's mask at every step; parsing it costs about 10 us.
+    return int(RowFlag.parse(names))
 
 
 class _Frozen(BaseModel):
@@ -175,7 +182,7 @@ class SiteSettings(_Frozen):
     @property
     def abort_flags(self) -> int:
         """`abort_on` as a bit mask of `RowFlag`s (0: heal and carry on)."""
-        return int(RowFlag.parse(self.abort_on))
+        return _flag_mask(self.abort_on)
 
 
 class AttachSettings(_Frozen):
@@ -392,6 +399,9 @@ class GuardSettings(BaseSettings):
 
     _origins: dict[tuple[str, ...], str] = PrivateAttr(default_factory=dict)
     _notices: tuple[Problem, ...] = PrivateAttr(default=())
+    # `site_settings(name)` by name: engine hooks ask at every step, and a `model_copy` costs
+    # tens of microseconds. A copy of these settings starts its own (`__copy__`).
+    _resolved: dict[str, SiteSettings] = PrivateAttr(default_factory=dict)
 
     def __init__(self, *, environ: Mapping[str, str] | None = None, **values: Any) -> None:
         collector = Collector(os.environ if environ is None else environ, values)
@@ -455,8 +465,25 @@ class GuardSettings(BaseSettings):
             and not any(fnmatch.fnmatchcase(name, p) for p in self.disabled_sites)
         )
 
+    def __copy__(self) -> GuardSettings:
+        # `model_copy(update=...)` copies, then changes fields: not the resolved tables.
+        copied = super().__copy__()
+        copied._resolved = {}
+        return copied
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> GuardSettings:
+        copied = super().__deepcopy__(memo)
+        copied._resolved = {}
+        return copied
+
     def site_settings(self, name: str) -> SiteSettings:
         """The `[sites."name"]` table with global values filled in for unset keys."""
+        resolved = self._resolved.get(name)
+        if resolved is None:
+            resolved = self._resolved[name] = self._site_settings(name)
+        return resolved
+
+    def _site_settings(self, name: str) -> SiteSettings:
         site = self.sites.get(name, SiteSettings())
         return site.model_copy(
             update={

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from pathlib import Path
@@ -9,7 +10,9 @@ from pathlib import Path
 import pytest
 
 import guardrails as gr
+from guardrails.flags import ANY_FLAG
 from guardrails.settings import ENV_VARS, KNOWN_SITES
+from guardrails.settings.models import SiteSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -226,6 +229,24 @@ sanitize = true
     assert site.sanitize
     assert s.site_settings("sampler.token_ids").sanitize is False  # inherits the global
     assert s.origin("sanitize") == f"{path}: sanitize"
+
+
+def test_a_copy_resolves_its_own_site_tables() -> None:
+    """`site_settings` is resolved once per name (engine hooks ask at every step); a copy with
+    other values never answers with the original's tables."""
+    s = gr.GuardSettings(environ={}, sites={"sampler.logits": {"abort_on": ("nan",)}})
+    first = s.site_settings("sampler.logits")
+    assert s.site_settings("sampler.logits") is first
+    assert first.abort_flags == int(gr.RowFlag.NAN)
+    changed = s.model_copy(
+        update={"sanitize": False, "sites": {"sampler.logits": SiteSettings(abort_on=("any",))}}
+    )
+    assert changed.site_settings("sampler.logits").sanitize is False
+    assert changed.site_settings("sampler.logits").abort_flags == int(ANY_FLAG)
+    assert copy.deepcopy(changed).site_settings("sampler.logits").abort_flags == int(ANY_FLAG)
+    assert s.site_settings("sampler.logits") is first
+    assert first.sanitize is True
+    assert first.abort_flags == int(gr.RowFlag.NAN)
 
 
 @pytest.mark.parametrize(
