@@ -364,7 +364,7 @@ class _RunnerHalf:
             self._failed(exc)
             return result
 
-    def _marks(self, runner: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _marks(self, runner: Any) -> tuple[torch.Tensor | None, torch.Tensor | list[bool] | None]:
         site = self._guards.site(SITE)
         mask = self._guards.settings.site_settings(SITE).abort_flags
         local = self._local
@@ -375,6 +375,11 @@ class _RunnerHalf:
         if found is None or found[0] == getattr(local, "seen", -1):
             return None, None  # no sampler call since the last step (pooling, a dummy run)
         local.seen, flags = found
+        if flags.device.type == "cpu" and not checked and verified is None:
+            # On the CPU the flags are final once the sampler returned: one read on the host,
+            # no marks tensor, no mirror, no copy (a few small ops at every step).
+            rows = [bool(flag & mask) for flag in flags.tolist()]
+            return (flags, rows) if any(rows) else (None, None)
         marks = _abort_marks(self._guards, flags, checked_by_vllm=checked)
         marks = self._with_verified(marks, verified)
         if checked:
@@ -406,7 +411,11 @@ class _RunnerHalf:
         return mirror[:rows]
 
     def _report(
-        self, runner: Any, result: Any, marks: torch.Tensor, mirror: torch.Tensor | None
+        self,
+        runner: Any,
+        result: Any,
+        marks: torch.Tensor,
+        mirror: torch.Tensor | list[bool] | None,
     ) -> Any:
         if mirror is None:
             # Async scheduling: fold into vLLM's device counts, copied with the sampled ids.
@@ -418,8 +427,9 @@ class _RunnerHalf:
             ones = marks.to(torch.int32)
             merged = ones if nans is None else torch.maximum(nans, ones)
             return (*result[:_NANS_DEVICE], merged, *result[_NANS_DEVICE + 1 :])
-        # Sync scheduling: the wrapped call waited for the copy (see the module docstring).
-        rows = mirror.tolist()
+        # Sync scheduling: the wrapped call waited for the copy (see the module docstring);
+        # on the CPU the rows were read before it.
+        rows = mirror if isinstance(mirror, list) else mirror.tolist()
         if not any(rows):
             return result
         counts = dict(result[_NANS_DICT] or {})
@@ -441,6 +451,8 @@ class _FreedBlocks:
             self._pending.setdefault(scheduler, []).extend(block_ids)
 
     def take(self, scheduler: Any) -> list[int]:
+        if not self._pending:  # every step: no weak reference made for the look-up
+            return []
         return self._pending.pop(scheduler, None) or []
 
 
