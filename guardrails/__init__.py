@@ -12,13 +12,13 @@ a forked child: a lock is held from the first `default()` on, before any instanc
 
 from __future__ import annotations
 
-from guardrails._sites import DisabledSite, LogitsSite, TokenSite
 from guardrails.attach.handles import GuardedFunction, Handle
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind, RowFlag
 from guardrails.logs import configure_json_logs
 from guardrails.service import Guardrails, default, sanitize_logits_
 from guardrails.settings.models import AttachSettings, GuardSettings, SiteSettings
+from guardrails.sites import DisabledSite, LogitsSite, TokenSite
 
 __all__ = [
     "AttachSettings",

@@ -7,10 +7,15 @@
 - `resolve`: walking a target with `getattr` and picking a value out of a call, changing
   nothing (shared by patching and `guardrails check`).
 - `patching`: `PatchHandle`, which wraps the target when its module is imported.
+- `liveness`, `loaders`: the heartbeat and the liveness self-check; the loader patches that
+  trace each model an engine builds.
+- One `Guardrails`'s parts: `attachment` (`Attachment`: its patches, heartbeat and engine
+  hooks), `traces` (`Traces`: its traces and trace loaders), `errors` (`Recorders`: its error
+  recorders and the rule for an attach failure).
 
-May import `guardrails.exceptions`, `flags`, `names`, `settings` and (lazily, to count the
-calls a patch leaves unguarded) `reporting.metrics`; never the service or the sites, which it
-sees through small protocols (`SiteCall`, `PatchOwner`).
+May import `guardrails.exceptions`, `flags`, `names`, `logs`, `settings`, `reporting` and
+`tracing`; never the service or the sites, which it sees through small protocols
+(`SiteCall`, `PatchOwner`, `loaders.Guardrails`).
 """
 
 from __future__ import annotations

@@ -190,3 +190,65 @@ class HeartbeatHandle(ImportPatch):
 
 def _nothing() -> None:
     return None
+
+
+def watched_now(
+    settings: GuardSettings,
+    patches: Iterable[ImportPatch],
+    calls: Callable[[str], int],
+    loaders: Sequence[ImportPatch],
+    traced: Callable[[], int],
+    hooks: Iterable[Any],
+) -> list[Watched]:
+    """What the self-check watches now, read afresh at each check: the sites of `patches`
+    (`calls(site)`: its call count, 0 for one never made), "trace" when `loaders` are
+    installed (`traced()`: the traces alive), and the halves of `hooks` that name a
+    `watch_name`, pooled under it."""
+    found: dict[str, tuple[list[str], list[str]]] = {}
+    excused: set[str] = set()  # sites with an applied point that only some steps call
+    for handle in patches:
+        name = handle.point.site
+        if handle.state in ("inapplicable", "disabled", "removed"):
+            continue
+        if not settings.is_site_enabled(name) or not settings.site_settings(name).expect_calls:
+            continue
+        if not handle.point.expect_calls:
+            if handle.state == "applied":
+                excused.add(name)
+            continue
+        targets, states = found.setdefault(name, ([], []))
+        targets.append(str(handle.point.target))
+        states.append(handle.state)
+    out = []
+    for name, (targets, states) in found.items():
+        if name in excused and "applied" not in states:
+            # What guards it here runs on some steps only; the points that should run at
+            # every step are another runner's, never imported in this process.
+            continue
+        out.append(Watched(name, calls(name), tuple(targets), tuple(states)))
+    installed = [h for h in loaders if h.state != "removed"]
+    if installed:
+        out.append(
+            Watched(
+                "trace",
+                traced(),
+                tuple(str(h.point.target) for h in installed),
+                tuple(h.state for h in installed),
+                kind="installed",
+            )
+        )
+    halves: dict[str, list[Any]] = {}
+    for hook in hooks:
+        watch = getattr(hook, "watch_name", None)
+        if watch is not None and hook.state in ("pending", "applied", "error"):
+            halves.setdefault(watch, []).append(hook)
+    for name, pooled in halves.items():
+        out.append(
+            Watched(
+                name,
+                sum(hook.calls for hook in pooled),
+                tuple(hook.path for hook in pooled),
+                tuple(hook.state for hook in pooled),
+            )
+        )
+    return out

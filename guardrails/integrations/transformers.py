@@ -12,7 +12,7 @@ Policy, from `[sites."<site>"] abort_on` in the settings or the `abort_on` argum
   become -inf except 0 at the EOS id(s), so generation stops that row instead of sampling
   garbage. Counted in `aborted_rows()`; the flags themselves are counted by the site.
 No host sync: the decision is a `torch.where` on the device flags. One processor may serve
-several threads at once: each call acts on its own call's flags (see `guardrails._sites`).
+several threads at once: each call acts on its own call's flags (see `guardrails.sites._site`).
 Under the abort policy the first call per (device, dtype, vocab) and per (device, thread)
 makes the EOS row and a counter; inside a CUDA-graph capture that would be recorded into the
 graph (the counter re-zeroed on every replay), so it is refused there: call the processor

@@ -17,6 +17,6 @@
   failed bind says to fix (`bind_problem`).
 
 May import `guardrails.exceptions`, `flags`, `names`, `logs` and `settings` (for types);
-never `guardrails._sites` or the service. `prometheus_client` is imported only inside
+never `guardrails.sites` or the service. `prometheus_client` is imported only inside
 functions.
 """

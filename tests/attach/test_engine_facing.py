@@ -103,7 +103,7 @@ def test_a_vocabulary_the_replacement_id_does_not_fit_leaves_that_call_unguarded
     guards.attach_configured()
     assert engine.ids_for(torch.tensor([170]), 100).tolist() == [50]
     assert engine.ids_for(torch.tensor([70]), 20).tolist() == [70]  # not rewritten to 50
-    registry = guards._guard_errors._registry
+    registry = guards.guard_errors._registry
     assert (
         registry.get_sample_value(
             "guardrails_guard_errors_total",
@@ -185,7 +185,7 @@ def test_a_point_that_does_not_fit_is_counted_and_the_others_still_guard(
     logits = torch.tensor([[float("nan"), 1.0]])
     engine.Sampler().forward(logits, 2)
     assert logits.tolist() == [[float("-inf"), 1.0]]
-    registry = guards._guard_errors._registry
+    registry = guards.guard_errors._registry
     value = registry.get_sample_value(
         "guardrails_attach_errors_total",
         {"site": "eagle.verify", "target": f"{engine.__name__}:Verifier.verify", "rank": "0"},

@@ -274,7 +274,7 @@ def test_a_disabled_site_stays_a_no_op_under_compile() -> None:
 
 
 def test_the_op_refuses_a_key_that_names_no_live_site() -> None:
-    from guardrails import ops
+    from guardrails.sites import ops
 
     guards = fresh_guardrails()
     key = guards.site("sampler.logits")._op_key
@@ -345,7 +345,7 @@ def test_a_compiled_token_call_guards_against_the_vocabulary_it_passes(
 
 @pytest.mark.parametrize("op", ["logits", "token_ids"])
 def test_the_ops_pass_torch_library_opcheck(op: str) -> None:
-    from guardrails import ops
+    from guardrails.sites import ops
 
     guards = fresh_guardrails()
     if op == "logits":

@@ -42,6 +42,22 @@ def test_a_collected_instance_flushes_its_pending_counts() -> None:
     assert registry.get_sample_value("guardrails_guard_calls_total", CALLS) == 1
 
 
+def test_an_instance_with_nothing_attached_is_freed_and_flushed_when_dropped() -> None:
+    # Its parts hold it weakly: no reference cycle waits for the collector.
+    registry = CollectorRegistry()
+    guards = fresh_guardrails(registry=registry, reporting={"every_calls": 1_000_000})
+    guards.site("sampler.logits")(seven_nans())
+    guards.token_site("sampler.token_ids", vocab_size=16)
+    gone = weakref.ref(guards)
+    gc.disable()
+    try:
+        del guards
+        assert gone() is None
+    finally:
+        gc.enable()
+    assert registry.get_sample_value("guardrails_nonfinite_values_total", NAN) == 7
+
+
 CHILD = r"""
 import gc, math, sys
 import torch

@@ -26,9 +26,9 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from guardrails import ConfigError, Guardrails, GuardSettings
-from guardrails._sites import DisabledSite
 from guardrails.reporting.metrics import resolve_rank
 from guardrails.settings import ENV_VARS, KNOWN_SITES, MetricsSettings, SiteSettings, toml
+from guardrails.sites import DisabledSite
 from guardrails.testing import SilentLogger, fresh_guardrails
 from tests.budget import budget
 

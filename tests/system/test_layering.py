@@ -138,9 +138,9 @@ def _lazy_imports() -> list[str]:
 def test_the_graph_sees_the_package() -> None:
     # Guards the test itself: a graph with no edges would have no cycle either.
     assert len(MODULES) > 40
-    assert "guardrails._sites" in GRAPH["guardrails.service"]
-    assert "guardrails.reporting.mirror" in GRAPH["guardrails._site_buffers"]
-    assert "guardrails._site_buffers" in GRAPH["guardrails._sites"]
+    assert "guardrails.sites" in GRAPH["guardrails.service"]
+    assert "guardrails.reporting.mirror" in GRAPH["guardrails.sites._buffers"]
+    assert "guardrails.sites._buffers" in GRAPH["guardrails.sites._site"]
 
 
 def test_no_import_cycle_lazy_and_type_checking_imports_included() -> None:
@@ -211,22 +211,26 @@ def test_the_cuda_floor_imports_only_process_state() -> None:
 @pytest.mark.parametrize(
     ("low", "high"),
     [
-        ("guardrails.kernels", "guardrails._sites"),
+        ("guardrails.kernels", "guardrails.sites"),
         ("guardrails.kernels", "guardrails.settings"),
         ("guardrails.kernels", "guardrails.reporting"),
-        ("guardrails.reporting", "guardrails._sites"),
+        ("guardrails.reporting", "guardrails.sites"),
         ("guardrails.reporting", "guardrails.service"),
         ("guardrails.attach", "guardrails.service"),
-        ("guardrails.attach", "guardrails._sites"),
-        ("guardrails.settings", "guardrails._sites"),
+        ("guardrails.attach", "guardrails.sites"),
+        ("guardrails.settings", "guardrails.sites"),
         ("guardrails.settings", "guardrails.service"),
         ("guardrails.settings", "guardrails.reporting"),
-        # A site's buffers and input checks sit below the sites and above the kernels.
-        ("guardrails._site_buffers", "guardrails._sites"),
-        ("guardrails._site_inputs", "guardrails._sites"),
-        ("guardrails.kernels", "guardrails._site_buffers"),
-        ("guardrails.kernels", "guardrails._site_inputs"),
-        ("guardrails.reporting", "guardrails._site_buffers"),
+        # Inside sites/: a site's buffers and input checks sit below the sites, and the ops
+        # reach a site only through the key it registered; the registry is on top.
+        ("guardrails.sites._buffers", "guardrails.sites._site"),
+        ("guardrails.sites._inputs", "guardrails.sites._site"),
+        ("guardrails.sites.ops", "guardrails.sites._site"),
+        ("guardrails.sites._site", "guardrails.sites.registry"),
+        # The sites are below what attaches them and the service that owns them.
+        ("guardrails.sites", "guardrails.attach"),
+        ("guardrails.sites", "guardrails.service"),
+        ("guardrails.sites", "guardrails.integrations"),
         # Process state is the bottom layer: it imports nothing of guardrails.
         ("guardrails._process", "guardrails"),
         # Tracing is a floor: what it shares with the layers above (a removable handle, the

@@ -123,12 +123,12 @@ def test_every_lock_guardrails_holds_is_one_the_registry_made() -> None:
     assert unregistered == []
     # Module globals and the instance locks of a live Guardrails with sites and a patch.
     for expected in (
-        "guardrails.ops:_LOCK",
+        "guardrails.sites.ops:_LOCK",
         "guardrails.reporting.metrics:_bindings_lock",
         "guardrails._cuda:_exchange_lock",
         "guardrails.service:_default_lock",
-        "guardrails.service.Guardrails._lock",
-        "guardrails._sites.LogitsSite._lock",
+        "guardrails.sites.registry.SiteRegistry._lock",
+        "guardrails.sites._site.LogitsSite._lock",
         "guardrails.attach.patching.AttachFailures._lock",
         "guardrails.attach.patching.PatchHandle._lock",
     ):

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from guardrails import RowFlag, _site_buffers, _sites
+from guardrails import RowFlag
+from guardrails.sites import _buffers, _site
 from guardrails.testing import fresh_guardrails
 
 SITE = "sampler.logits"
@@ -47,26 +48,26 @@ class _Streams:
     """A CPU site's state made to key its buffers by (thread, stream) as CUDA states do, with
     the current stream and "is capturing" set by the test."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, site: _sites.LogitsSite) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, site: _site.LogitsSite) -> None:
         self.stream = 1
         self.capturing = False
         state = site._state
         assert state is not None
         state.streams = True
         self.state = state
-        monkeypatch.setattr(_site_buffers, "cuda_stream_id", lambda index: self.stream)
-        monkeypatch.setattr(_site_buffers, "capturing_on", lambda device: self.capturing)
+        monkeypatch.setattr(_buffers, "cuda_stream_id", lambda index: self.stream)
+        monkeypatch.setattr(_buffers, "capturing_on", lambda device: self.capturing)
 
 
 @pytest.fixture
-def streamed(monkeypatch: pytest.MonkeyPatch) -> tuple[_sites.LogitsSite, _Streams]:
+def streamed(monkeypatch: pytest.MonkeyPatch) -> tuple[_site.LogitsSite, _Streams]:
     site = fresh_guardrails().site(SITE, device="cpu", capacity=8)
-    assert isinstance(site, _sites.LogitsSite)
+    assert isinstance(site, _site.LogitsSite)
     return site, _Streams(monkeypatch, site)
 
 
 def test_each_stream_of_a_thread_gets_its_own_flags_and_kernel_workspace(
-    streamed: tuple[_sites.LogitsSite, _Streams],
+    streamed: tuple[_site.LogitsSite, _Streams],
 ) -> None:
     site, streams = streamed
     dirty = torch.randn(4, 32)
@@ -98,7 +99,7 @@ def test_each_stream_of_a_thread_gets_its_own_flags_and_kernel_workspace(
 
 
 def test_a_capture_on_a_new_stream_takes_the_spare_the_eager_calls_keep_ready(
-    streamed: tuple[_sites.LogitsSite, _Streams],
+    streamed: tuple[_site.LogitsSite, _Streams],
 ) -> None:
     site, streams = streamed
     eager = site(torch.randn(4, 32))  # takes the spare made with the state, makes another
@@ -129,7 +130,7 @@ def test_a_capture_on_a_new_stream_takes_the_spare_the_eager_calls_keep_ready(
 
 
 def test_buffers_of_an_ended_thread_become_spares_once(
-    streamed: tuple[_sites.LogitsSite, _Streams],
+    streamed: tuple[_site.LogitsSite, _Streams],
 ) -> None:
     import threading
 
@@ -157,13 +158,13 @@ def test_buffers_of_an_ended_thread_become_spares_once(
 
 def test_recent_is_the_calling_threads_latest_call_on_any_device() -> None:
     site = fresh_guardrails().site(SITE)
-    assert isinstance(site, _sites.LogitsSite)
+    assert isinstance(site, _site.LogitsSite)
     dirty = torch.randn(2, 8)
     dirty[1, 0] = math.nan
     site(dirty)
     # Another thread used another device last (two workers, one GPU each): a state of its
     # own becomes the site's most recent one. This thread's latest call is still found.
-    other = _site_buffers.DeviceState(torch.device("cpu", 1), 2, len(site.slots), None)
+    other = _buffers.DeviceState(torch.device("cpu", 1), 2, len(site.slots), None)
     site._states[torch.device("cpu", 1)] = other
     site._state = other
     found = site.recent()

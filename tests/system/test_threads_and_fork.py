@@ -225,7 +225,7 @@ def test_a_fork_while_another_thread_holds_the_service_locks_gives_a_working_chi
     release = threading.Event()
 
     def hold() -> None:
-        with quiet._lock, quiet._patches_lock, service._default_lock:
+        with quiet._sites._lock, quiet._attachment._lock, service._default_lock:
             held.set()
             release.wait(30)
 

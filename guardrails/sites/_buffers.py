@@ -3,7 +3,7 @@
 Per calling thread (on CUDA per thread and stream) a site keeps row flags and the kernel
 workspace that goes with them (`Buffers`); per device, the counts all threads add to and those
 buffers (`DeviceState`). Buffers are made when a site first sees a device, thread or stream, or
-when `reserve()` is called, never inside a CUDA-graph capture (see `guardrails._sites` for what
+when `reserve()` is called, never inside a CUDA-graph capture (see `guardrails.sites._site` for what
 the flags a call returns are valid for). Every mutation happens under the owning site's lock.
 """
 
@@ -51,7 +51,7 @@ class Buffers:
     def __init__(self, device: torch.device, capacity: int, kernel: LogitsKernel | None) -> None:
         self.capacity = 0
         # The flags this thread's latest call returned, and that call's number (see
-        # `Site.recent` in guardrails._sites).
+        # `Site.recent` in guardrails.sites._site).
         self.recent: torch.Tensor | None = None
         self.recent_call = 0
         # At a token site with on_no_valid_token = "eos": the number of the logits site's

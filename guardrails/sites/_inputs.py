@@ -21,8 +21,8 @@ from typing import Final
 
 import torch
 
-from guardrails._site_buffers import normalise
 from guardrails.exceptions import TensorTypeError, TensorValueError
+from guardrails.sites._buffers import normalise
 
 __all__ = [
     "INTEGER_DTYPES",

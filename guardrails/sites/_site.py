@@ -4,7 +4,7 @@ A site is built once from settings and bakes them in: an enabled logits site hol
 `HealSpec` per accepted dtype and the kernel for each device; a disabled site is a different
 class whose call returns None without looking at its argument. Per device, a site owns
 persistent buffers (int64 counts, host mirror; per calling thread, and on CUDA per thread and
-stream, row flags and the kernel workspace that goes with them; `guardrails._site_buffers`)
+stream, row flags and the kernel workspace that goes with them; `guardrails.sites._buffers`)
 made when the site first sees that device, thread or stream or when `reserve()` is called,
 never inside a CUDA-graph capture.
 
@@ -17,7 +17,7 @@ stream the thread has not called on yet (`torch.cuda.graph` captures on a side s
 spare made by `reserve()`, else it is refused with a RuntimeError naming `reserve()`: nothing
 is allocated inside a capture.
 
-Refused before anything is touched or any state is made (`guardrails._site_inputs` says what
+Refused before anything is touched or any state is made (`guardrails.sites._inputs` says what
 and raises it): a dtype the site does not accept, a sparse or nested tensor, the meta device or
 one other than the site's pinned device, logits without a vocab dimension, and, when healing,
 memory that overlaps itself. A forked child re-makes every site's lock (`guardrails._process`);
@@ -38,10 +38,18 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from guardrails import _process, ops
+from guardrails import _process
 from guardrails._cuda import capturing_on
-from guardrails._site_buffers import Buffers, DeviceState, get_ident, normalise, thread_of
-from guardrails._site_inputs import (
+from guardrails.flags import LOGITS_SLOTS, TOKEN_SLOTS, CountKind, RowFlag
+from guardrails.kernels.base import HealSpec, LogitsKernel
+from guardrails.kernels.select import select_logits_kernel
+from guardrails.kernels.token_ids import guard_token_ids_
+from guardrails.kernels.values import posinf_replacement
+from guardrails.names import validate_site_name
+from guardrails.reporting.mirror import DeviceCounts
+from guardrails.sites import ops
+from guardrails.sites._buffers import Buffers, DeviceState, get_ident, normalise, thread_of
+from guardrails.sites._inputs import (
     INTEGER_DTYPES,
     checked_logits_rows,
     checked_token_rows,
@@ -54,13 +62,6 @@ from guardrails._site_inputs import (
     token_type_error,
     written_id_outside,
 )
-from guardrails.flags import LOGITS_SLOTS, TOKEN_SLOTS, CountKind, RowFlag
-from guardrails.kernels.base import HealSpec, LogitsKernel
-from guardrails.kernels.select import select_logits_kernel
-from guardrails.kernels.token_ids import guard_token_ids_
-from guardrails.kernels.values import posinf_replacement
-from guardrails.names import validate_site_name
-from guardrails.reporting.mirror import DeviceCounts
 
 if TYPE_CHECKING:
     from guardrails.reporting._reporter import Reporter
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
 __all__ = ["DisabledSite", "LogitsSite", "Site", "TokenSite"]
 
 # torch.compile constant-folds this function to True while tracing (the way sites switch to
-# guardrails.ops); bound once, as the eager hot path calls it on every call.
+# guardrails.sites.ops); bound once, as the eager hot path calls it on every call.
 _compiling: Final = torch.compiler.is_compiling
 _STRIDED: Final = torch.strided
 _TENSOR: Final = torch.Tensor
@@ -300,7 +301,7 @@ class LogitsSite(_SiteBase):
         if spec is None:
             raise logits_type_error(self.name, logits, self._specs)
         if _compiling():
-            # Traced code keeps the call as one opaque op (see guardrails.ops); the rest of
+            # Traced code keeps the call as one opaque op (see guardrails.sites.ops); the rest of
             # this method would be specialised on the tensors seen while tracing. The dtype
             # check above stays in the traced code (a TypeError as in eager code); the op's
             # fake implementation raises the shape's ValueError while tracing.
