@@ -139,11 +139,28 @@ def refuse_device(
         raise TensorValueError(f"guardrails site {site!r}: {detail}", "device")
 
 
+# Verdicts of `overlaps` by (shape, strides), which alone decide it. Engines guard the same
+# view at every step (vLLM's logits are `[:, :vocab]` of a padded LM head's output), and the
+# check of a view torch finds "too hard" costs 10-20 us of Python.
+_VERDICTS: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
+_MAX_VERDICTS = 256  # a few shapes per engine; past this, new layouts are checked each call
+
+
 def overlaps(x: torch.Tensor) -> bool:
     """Whether two elements of `x` share memory (writing them in place cannot be done
     consistently)."""
     if x.numel() <= 1:
         return False
+    key = (tuple(x.shape), x.stride())
+    verdict = _VERDICTS.get(key)
+    if verdict is None:
+        verdict = _overlaps(x)
+        if len(_VERDICTS) < _MAX_VERDICTS:
+            _VERDICTS[key] = verdict
+    return verdict
+
+
+def _overlaps(x: torch.Tensor) -> bool:
     verdict = torch._debug_has_internal_overlap(x)  # 0: no, 1: yes (stride 0), 2: too hard
     if verdict != 2:
         return verdict == 1

@@ -593,6 +593,23 @@ def test_as_strided_views_are_refused_exactly_when_they_overlap(
             assert bool((x == 0).all())
 
 
+def test_a_layout_seen_before_gets_the_same_verdict_and_no_other_layout_shares_it() -> None:
+    """The overlap verdict is kept per (shape, strides) (engines guard the same view at every
+    step): asked again, and after a same-shape layout with other strides, each keeps its own."""
+    windows = torch.full((10,), math.nan).as_strided((3, 4), (2, 1))  # rows share values
+    padded = torch.full((20,), math.nan).as_strided((3, 4), (5, 1))
+    with fresh_guardrails() as guards:
+        site = guards.site("sampler.logits")
+        for _ in range(2):
+            with pytest.raises(ValueError, match="overlaps itself"):
+                site(windows)
+            assert site(padded).tolist() == [int(RowFlag.NAN | RowFlag.NO_VALID_TOKEN)] * 3
+            padded.fill_(math.nan)
+        with pytest.raises(ValueError, match="overlaps itself"):
+            site(windows)
+    assert bool(windows.isnan().all())
+
+
 def test_expanded_token_ids_are_refused_untouched_when_replacing() -> None:
     ids = torch.tensor([7]).expand(4)
     with fresh_guardrails() as guards:
