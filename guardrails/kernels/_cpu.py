@@ -68,6 +68,7 @@ _NAN = int(RowFlag.NAN)
 _POSINF = int(RowFlag.POSINF)
 _NEGINF = int(RowFlag.NEGINF)
 _NO_VALID = int(RowFlag.NO_VALID_TOKEN)
+_FLOAT16 = torch.float16
 
 
 @functools.cache
@@ -130,26 +131,40 @@ class _Workspace:
         return plan
 
 
-def _small_and_clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool | None:
-    """The clean check of a small float32/bfloat16 batch. True: clean (flags settled);
-    False: not finite; None: float16 or a large batch (the kernel's own check applies).
+def _clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool:
+    """The clean check of a small float32/bfloat16 batch (`CpuLogitsKernel.check`, in one
+    frame: the site calls it on every clean call). True: clean (flags settled). False: not
+    finite (kept in `ws.checked`, so the kernel call that follows skips the sum), or float16
+    or a large batch (the kernel's own check applies).
 
     Row sums where torch splits the rows between its threads (see the module docstring),
     added up on the host: a NaN or +/-Inf in any of them stays in the total. One row, or a
     tensor too small to split: one sum and `.item()`, cheaper than a list."""
     values = x.numel()
-    if x.dtype is torch.float16 or values >= _CHUNKED_CHECK_MIN or not values:
-        return None  # not values: an empty vocabulary, whose rows have no valid token
+    if x.dtype is _FLOAT16 or values >= _CHUNKED_CHECK_MIN or not values:
+        return False  # not values: an empty vocabulary, whose rows have no valid token
     if values < _ROW_SUMS_MIN or flags.numel() == 1:
         total = x.sum().item()
     else:
         sums = x.sum(-1)
         total = sum(sums.tolist() if x.dim() == 2 else sums.view(-1).tolist())
     if not math.isfinite(total):
+        ws.checked = False
         return False
     if ws.extent:
         _zero_flags(flags, ws)
     return True
+
+
+def _small_and_clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool | None:
+    """`_clean` as three answers, its verdict returned, not kept. True: clean (flags
+    settled); False: not finite; None: float16 or a large batch."""
+    if x.dtype is _FLOAT16 or not 0 < x.numel() < _CHUNKED_CHECK_MIN:
+        return None
+    if _clean(x, flags, ws):
+        return True
+    ws.checked = None
+    return False
 
 
 def guard_logits_cpu_(
@@ -402,15 +417,10 @@ class CpuLogitsKernel:
     def workspace(self, rows: int, device: torch.device) -> Any:
         return _Workspace(self._chunk)
 
-    @staticmethod
-    def check(x: torch.Tensor, flags: torch.Tensor, ws: Any) -> bool:
-        """The site's first step (see `LogitsKernel`): a small float32/bfloat16 batch proved
-        clean by one pass of sums. At B=1 the whole call is a ~15 us sum, and every Python
-        layer between the site and it shows in the ratio."""
-        small = _small_and_clean(x, flags, ws)
-        if small is False:
-            ws.checked = False  # not finite: the kernel call that follows skips the sum
-        return small is True
+    # The site's first step (see `LogitsKernel`): a small float32/bfloat16 batch proved
+    # clean by one pass of sums. At B=1 the whole call is a ~15 us sum, and every Python
+    # layer between the site and it shows in the ratio.
+    check = staticmethod(_clean)
 
     def __call__(
         self, x: torch.Tensor, flags: torch.Tensor, counts: torch.Tensor, spec: HealSpec, ws: Any

@@ -14,6 +14,7 @@ from guardrails.flags import RowFlag
 __all__ = ["guard_token_ids_"]
 
 _U8 = torch.uint8
+_HOST_READ_MAX = 256  # ids a CPU call reads as a list rather than reduce
 
 
 def guard_token_ids_(
@@ -32,12 +33,20 @@ def guard_token_ids_(
     # Python int to the tensor's dtype, so `ids >= 128` on int8 ids wrapped to `ids >= -128`
     # and flagged (and replaced) every valid id whenever vocab_size exceeded the dtype.
     high = min(vocab_size - 1, torch.iinfo(ids.dtype).max)
-    if ids.device.type == "cpu" and ids.numel():
+    count = ids.numel()
+    if ids.is_cpu and count:
         # On the CPU a host branch is free: one reduction proves a clean batch clean (the
         # common case), where the branch-free pass below costs a dozen small ops, about
-        # 100 us on a loaded 2-core machine, as much as a greedy decode step's argmax.
-        lowest, highest = torch.aminmax(ids)
-        if lowest.item() >= 0 and highest.item() <= high:
+        # 100 us on a loaded 2-core machine, as much as a greedy decode step's argmax. A
+        # decode step's few ids are read on the host instead: one list, no reduction and no
+        # two `.item()` (1.8 against 3.3 us for 8 ids).
+        if count <= _HOST_READ_MAX:
+            values = ids.tolist() if ids.dim() == 1 else ids.flatten().tolist()
+            clean = min(values) >= 0 and max(values) <= high
+        else:
+            lowest, highest = torch.aminmax(ids)
+            clean = lowest.item() >= 0 and highest.item() <= high
+        if clean:
             flags.zero_()
             return
     oob = (ids < 0) | (ids > high)

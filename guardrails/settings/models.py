@@ -478,9 +478,12 @@ class GuardSettings(BaseSettings):
 
     def site_settings(self, name: str) -> SiteSettings:
         """The `[sites."name"]` table with global values filled in for unset keys."""
-        resolved = self._resolved.get(name)
+        # The private attributes' own dict (documented pydantic v2 API): `self._resolved`
+        # goes through BaseModel.__getattr__, about 1.7 us, 0.05 us this way.
+        table: dict[str, SiteSettings] = self.__pydantic_private__["_resolved"]  # type: ignore[index]
+        resolved = table.get(name)
         if resolved is None:
-            resolved = self._resolved[name] = self._site_settings(name)
+            resolved = table[name] = self._site_settings(name)
         return resolved
 
     def _site_settings(self, name: str) -> SiteSettings:

@@ -24,6 +24,7 @@ __all__ = [
     "MAX_CACHED_VIEWS",
     "RECLAIM_AT",
     "Buffers",
+    "CleanCheck",
     "DeviceState",
     "Key",
     "cuda_stream_id",
@@ -35,6 +36,8 @@ __all__ = [
 get_ident: Final = threading.get_ident
 # Who owns a set of buffers: a thread id, or on CUDA (thread id, stream id).
 Key = int | tuple[int, int]
+# A kernel's host-side clean check (see LogitsKernel): (x, flags, workspace) -> clean.
+CleanCheck = Callable[[torch.Tensor, torch.Tensor, Any], bool]
 MAX_CACHED_VIEWS: Final = 64
 # Threads with buffers on one device before those of threads that have ended are reclaimed.
 RECLAIM_AT: Final = 64
@@ -108,9 +111,7 @@ class DeviceState:
         self.device = device
         self.kernel = kernel  # None at token-id sites
         # The kernel's host-side clean check, where it has one (see LogitsKernel).
-        self.check: Callable[[torch.Tensor, torch.Tensor, Any], bool] | None = getattr(
-            kernel, "check", None
-        )
+        self.check: CleanCheck | None = getattr(kernel, "check", None)
         self.counts = DeviceCounts(device, slots)
         self.capacity = capacity  # rows every thread's buffers hold at least
         # Buffers replaced by a growth, kept on CUDA: a graph captured before the growth

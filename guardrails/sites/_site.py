@@ -28,7 +28,10 @@ step and are written out in full on purpose (each Python call saved counts at ba
 check; the compiled branch (one opaque op); the plain-tensor test and the slow layout check;
 the row count (the plain count, then `checked_*_rows` for its error); the device state; under
 the site lock the caller's buffers, the guard and the call counter; then reporting outside the
-lock. A change to one is a change to the other.
+lock. A change to one is a change to the other. `LogitsSite.__call__` also opens with a short
+path for a clean CPU batch (the CPU kernel's one-sum check, about half the Python steps of the
+full path): the same tests in fewer steps, taken only where the full path would have found the
+same buffers and the same flags view; anything else goes on to the full path.
 """
 
 from __future__ import annotations
@@ -48,7 +51,14 @@ from guardrails.kernels.values import posinf_replacement
 from guardrails.names import validate_site_name
 from guardrails.reporting.mirror import DeviceCounts
 from guardrails.sites import ops
-from guardrails.sites._buffers import Buffers, DeviceState, get_ident, normalise, thread_of
+from guardrails.sites._buffers import (
+    Buffers,
+    CleanCheck,
+    DeviceState,
+    get_ident,
+    normalise,
+    thread_of,
+)
 from guardrails.sites._inputs import (
     INTEGER_DTYPES,
     checked_logits_rows,
@@ -106,6 +116,9 @@ class _SiteBase:
         self._lock = _process.rlock(self, "_lock")
         self._states: dict[torch.device, DeviceState] = {}
         self._state: DeviceState | None = None  # the last device used: the common case
+        # The CPU state when its kernel has a host-side clean check: `LogitsSite.__call__`'s
+        # short path (a clean CPU batch from a thread that has called with this row count).
+        self._cpu: tuple[DeviceState, CleanCheck] | None = None
         self._pinned_device = None if device is None else torch.device(device)
         self._calls = 0
         self.last_dtype: torch.dtype | None = None
@@ -139,6 +152,8 @@ class _SiteBase:
                     )
                 state = DeviceState(device, max(rows, 1), len(self.slots), kernel)
                 self._states[device] = state
+                if device.type == "cpu" and state.check is not None:
+                    self._cpu = state, state.check
                 if self._reporter is not None:
                     self._reporter.track(self, state.counts)
             else:
@@ -292,8 +307,40 @@ class LogitsSite(_SiteBase):
         return self._specs[dtype]
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        # The hot path: a few attribute reads around one kernel call (B=1 decode pays every
-        # one of them).
+        # The short path: a clean CPU batch, one sum and nothing written, from a thread that
+        # has called before with this row count. Everything the full path checks first is
+        # checked here too (or a call with it never reaches here: a refused layout has no
+        # view), in as few Python steps as possible: right after an engine's forward pass
+        # has evicted the caches each step costs about 1 us, not 0.1 (benchmarks/README.md).
+        checked = False
+        # Compiled code never reads `_cpu` (Dynamo would guard on it and trace again once set).
+        if not _compiling() and (cpu := self._cpu) is not None:
+            rows = -1
+            # Not two dimensions: a ValueError from unpacking; a sparse or nested tensor: a
+            # RuntimeError. The full path says what is wrong, if anything.
+            try:
+                if type(logits) is _TENSOR and logits.is_cpu and logits.dtype in self._specs:
+                    count, vocab = logits.shape
+                    row_stride, step = logits.stride()
+                    # Rows of adjacent values that do not overlap, contiguous or not (vLLM's
+                    # `[:, :vocab]` of a padded LM head): what the full path accepts too.
+                    if step == 1 and (row_stride >= vocab or count <= 1):
+                        rows = count
+            except (ValueError, RuntimeError):
+                rows = -1
+            home, clean = cpu
+            buffers = home.buffers.get(get_ident()) if rows >= 0 else None
+            if buffers is not None and (flags := buffers.views.get(rows)) is not None:
+                if clean(logits, flags, buffers.workspace):
+                    with self._lock:
+                        calls = self._calls = self._calls + 1
+                        buffers.recent, buffers.recent_call = flags, calls
+                    if calls % self._every == 0:
+                        self._report(logits, home, due=True)
+                    return flags
+                checked = True  # not finite: the full path guards without checking again
+        # The full path: a few attribute reads around one kernel call (B=1 decode on a GPU
+        # pays every one of them).
         try:
             spec = self._specs.get(logits.dtype)
         except AttributeError:
@@ -330,7 +377,12 @@ class LogitsSite(_SiteBase):
             flags = buffers.views.get(rows)
             check = state.check
             # A clean CPU batch is done here: one sum, nothing written.
-            if flags is None or check is None or not check(logits, flags, buffers.workspace):
+            if (
+                checked
+                or flags is None
+                or check is None
+                or not check(logits, flags, buffers.workspace)
+            ):
                 if logits.requires_grad or logits.is_inference():
                     with _writable(logits):
                         flags = self._guard(logits, rows, spec, state, buffers)

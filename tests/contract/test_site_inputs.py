@@ -593,6 +593,45 @@ def test_as_strided_views_are_refused_exactly_when_they_overlap(
             assert bool((x == 0).all())
 
 
+@pytest.mark.parametrize(
+    ("storage", "size", "stride", "overlaps"),
+    [
+        (10, (3, 4), (2, 1), True),  # sliding windows: rows share values
+        (20, (3, 4), (5, 1), False),  # padded rows (vLLM's [:, :vocab] of its LM head)
+        (12, (3, 2), (1, 3), False),  # vocab-major
+        (4, (1, 4), (0, 1), False),  # one row, any row stride
+        (4, (3, 4), (0, 1), True),  # expanded
+    ],
+)
+def test_clean_views_after_clean_calls_get_the_verdict_of_their_layout(
+    storage: int, size: tuple[int, ...], stride: tuple[int, ...], overlaps: bool
+) -> None:
+    """The CPU short path (a clean batch from a thread that has called with its row count)
+    accepts what the full path accepts and nothing else: a clean view that overlaps itself is
+    still refused when healing."""
+    x = torch.zeros(storage).as_strided(size, stride)
+    with fresh_guardrails() as guards:
+        site = guards.site("sampler.logits")
+        for _ in range(2):  # the buffers and the flags view for these rows, then the short path
+            assert site(torch.zeros(size)).tolist() == [0] * size[0]
+        if overlaps:
+            with pytest.raises(ValueError, match="overlaps itself"):
+                site(x)
+            assert guards.count("sampler.logits", "calls") == 2
+        else:
+            assert site(x).tolist() == [0] * size[0]
+            assert guards.count("sampler.logits", "calls") == 3
+        x.as_strided((storage,), (1,)).fill_(math.nan)  # the same memory, now all NaN
+        if not overlaps:
+            assert site(x).tolist() == [int(RowFlag.NAN | RowFlag.NO_VALID_TOKEN)] * size[0]
+            assert bool((x == 0).all())
+    x.as_strided((storage,), (1,)).fill_(math.nan)
+    with fresh_guardrails(sanitize=False) as guards:  # detect only: every layout is read
+        site = guards.site("sampler.logits")
+        site(torch.zeros(size))
+        assert site(x).tolist() == [int(RowFlag.NAN | RowFlag.NO_VALID_TOKEN)] * size[0]
+
+
 def test_a_layout_seen_before_gets_the_same_verdict_and_no_other_layout_shares_it() -> None:
     """The overlap verdict is kept per (shape, strides) (engines guard the same view at every
     step): asked again, and after a same-shape layout with other strides, each keeps its own."""
@@ -665,6 +704,8 @@ SPARSE_AND_NESTED = {
     "sparse_coo": (lambda x: x.to_sparse(), "sparse_coo tensor"),
     "sparse_csr": (lambda x: x.to_sparse_csr(), "sparse_csr tensor"),
     "nested": (lambda x: torch.nested.nested_tensor([x[:1], x[1:]]), "nested tensor"),
+    # Two dimensions, like a batch of logits: what the site's short path sees first.
+    "nested_rows": (lambda x: torch.nested.nested_tensor(list(x.unbind())), "nested tensor"),
     "nested_jagged": (
         lambda x: torch.nested.nested_tensor([x[:1], x[1:]], layout=torch.jagged),
         "nested tensor",
@@ -672,20 +713,25 @@ SPARSE_AND_NESTED = {
 }
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "after_clean_calls"])
 @pytest.mark.parametrize("sanitize", [True, False], ids=["heal", "detect_only"])
 @pytest.mark.parametrize("kind", SPARSE_AND_NESTED, ids=str)
 def test_sparse_and_nested_logits_are_a_type_error_naming_the_layout(
-    kind: str, sanitize: bool
+    kind: str, sanitize: bool, warm: bool
 ) -> None:
     make, expected = SPARSE_AND_NESTED[kind]
     x = _quietly(lambda: make(torch.full((3, 8), math.nan)))
     with fresh_guardrails(sanitize=sanitize) as guards:
         site = guards.site("sampler.logits")
+        # Warm: clean dense calls with every row count these tensors could show first, so
+        # the CPU short path has buffers and flags views ready for them.
+        warm_calls = [site(torch.zeros(rows, 8)) for rows in (2, 3)] if warm else []
         with pytest.raises(TypeError, match=f"dense strided tensor, got a {expected}"):
             site(x)
         with pytest.raises(TypeError, match="dense strided tensor"):
             site.rows_of(x)  # what compiled code is traced with
-        assert guards.count("sampler.logits", "calls") == 0
+        assert guards.count("sampler.logits", "calls") == len(warm_calls)
+        assert guards.count("sampler.logits", "nan") == 0
     assert bool(_quietly(lambda: _dense(x)).isnan().all())
 
 

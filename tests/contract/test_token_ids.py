@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import guardrails as gr
+from guardrails.kernels.token_ids import _HOST_READ_MAX
 from guardrails.testing import SilentLogger, fresh_guardrails
 from tests.budget import budget
 from tests.contract.oracle import expected_token_ids
@@ -42,6 +43,13 @@ def token_tensors(draw: st.DrawFn) -> tuple[torch.Tensor, int]:
     numel = math.prod(shape)
     values = draw(st.lists(value, min_size=numel, max_size=numel))
     ids = torch.tensor(values, dtype=torch.int64).to(dtype).reshape(shape)
+    if numel and draw(st.booleans()):
+        # More ids than a CPU call reads as a list (the reduction path): copies of the drawn
+        # ones stacked along a new leading dimension.
+        copies = _HOST_READ_MAX // numel + 1
+        ids = ids.unsqueeze(0).expand(copies, *shape).clone()
+        shape = tuple(ids.shape)
+        rank += 1
     if rank >= 1 and draw(st.booleans()):  # a strided view of a larger tensor
         wide = torch.zeros((*shape[:-1], 2 * shape[-1] + 1), dtype=dtype)
         wide[..., 1::2] = ids

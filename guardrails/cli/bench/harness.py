@@ -4,6 +4,7 @@ host-overhead and copy-bandwidth probes. See `guardrails.cli.bench.measure` for 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ __all__ = ["run"]
 _SGLANG_NAN, _SGLANG_POSINF, _SGLANG_NEGINF = -1e30, 1e30, -1e30
 _FLUSH_BYTES: Final = 256 * 2**20  # larger than any GPU's L2 cache today
 _MAX_ROUNDS_PER_REPEAT: Final = 50  # `min_seconds` adds rounds up to 50 x repeats
+_ORDER_SEED: Final = 20261204  # the CPU timer's order of methods per round: the same every run
 # The methods that write what they heal.
 _HEALING: Final = ("guard", "kernel", "sglang", "nan_to_num")
 
@@ -186,8 +188,8 @@ def _rounds(repeats: int, min_seconds: float) -> Callable[[int], bool]:
 
 class _CpuTimer:
     method = (
-        "time.perf_counter around each call; methods interleaved call by call, the order "
-        "rotated every round; median"
+        "time.perf_counter around each call; methods interleaved call by call, in a new "
+        "random order every round (seeded); median"
     )
 
     def measure(
@@ -197,15 +199,17 @@ class _CpuTimer:
         _warm_up(calls, prepare)
         clock = time.perf_counter
         names = list(calls)
+        # Shuffled, not rotated: what runs just before a call moves its time here (the call
+        # after `x.sum(-1)` took ~10 us more at B=8, whichever method it was; the call after
+        # the SGLang-style pass runs on cold caches). A rotation keeps the cyclic order, so one
+        # method always followed the same one (the guard followed `sum`); a shuffle gives
+        # every method every predecessor alike.
+        order = random.Random(_ORDER_SEED)
         more = _rounds(repeats, min_seconds)
         done = 0
         while more(done):
-            # Rotated: each method opens a round in turn. The cyclic order stays, so the call
-            # after the SGLang-style one (1-2 ms of passes and a large temporary, after which
-            # caches are cold and the memory bus busy for a while) is always `nan_to_num_`,
-            # a full pass itself; the guard and its kernel come 4th and 5th after it.
-            shift = done % len(names)
-            for name in names[shift:] + names[:shift]:
+            order.shuffle(names)
+            for name in names:
                 call = calls[name]
                 setup = prepare[name]
                 if setup is not None:
