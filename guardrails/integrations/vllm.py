@@ -375,10 +375,13 @@ class _RunnerHalf:
         if found is None or found[0] == getattr(local, "seen", -1):
             return None, None  # no sampler call since the last step (pooling, a dummy run)
         local.seen, flags = found
-        if flags.device.type == "cpu" and not checked and verified is None:
+        if flags.is_cpu and not checked and verified is None:
             # On the CPU the flags are final once the sampler returned: one read on the host,
             # no marks tensor, no mirror, no copy (a few small ops at every step).
-            rows = [bool(flag & mask) for flag in flags.tolist()]
+            values = flags.tolist()
+            if not any(values):
+                return None, None  # a clean step: no row is flagged at all
+            rows = [bool(flag & mask) for flag in values]
             return (flags, rows) if any(rows) else (None, None)
         marks = _abort_marks(self._guards, flags, checked_by_vllm=checked)
         marks = self._with_verified(marks, verified)

@@ -131,23 +131,23 @@ class _Workspace:
         return plan
 
 
-def _clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool:
-    """The clean check of a small float32/bfloat16 batch (`CpuLogitsKernel.check`, in one
-    frame: the site calls it on every clean call). True: clean (flags settled). False: not
-    finite (kept in `ws.checked`, so the kernel call that follows skips the sum), or float16
-    or a large batch (the kernel's own check applies).
+def _clean_rows(
+    x: torch.Tensor, rows: int, vocab: int, dtype: torch.dtype, flags: torch.Tensor, ws: _Workspace
+) -> bool:
+    """The clean check of a small float32/bfloat16 batch `x` [rows, vocab] of `dtype`, which
+    the caller has read (`CpuLogitsKernel.check_rows`: the site's short path calls it on every
+    clean call, in one frame and without asking torch again; each getter is about a
+    microsecond on a cold cache). True: clean (flags settled). False: not finite (kept in
+    `ws.checked`, so the kernel call that follows skips the sum), or float16 or a large batch
+    (the kernel's own check applies).
 
     Row sums where torch splits the rows between its threads (see the module docstring),
     added up on the host: a NaN or +/-Inf in any of them stays in the total. One row, or a
     tensor too small to split: one sum and `.item()`, cheaper than a list."""
-    values = x.numel()
-    if x.dtype is _FLOAT16 or values >= _CHUNKED_CHECK_MIN or not values:
+    values = rows * vocab
+    if dtype is _FLOAT16 or values >= _CHUNKED_CHECK_MIN or not values:
         return False  # not values: an empty vocabulary, whose rows have no valid token
-    if values < _ROW_SUMS_MIN or flags.numel() == 1:
-        total = x.sum().item()
-    else:
-        sums = x.sum(-1)
-        total = sum(sums.tolist() if x.dim() == 2 else sums.view(-1).tolist())
+    total = x.sum().item() if values < _ROW_SUMS_MIN or rows == 1 else sum(x.sum(-1).tolist())
     if not math.isfinite(total):
         ws.checked = False
         return False
@@ -156,12 +156,24 @@ def _clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool:
     return True
 
 
+def _clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool:
+    """`_clean_rows` for logits of any shape `[..., vocab]` (`CpuLogitsKernel.check`); `flags`
+    holds one entry per row."""
+    rows, vocab = flags.numel(), x.shape[-1]
+    if x.dim() != 2:
+        x = x.reshape(rows, vocab)  # a copy only for a non-contiguous N-d view: rare
+    return _clean_rows(x, rows, vocab, x.dtype, flags, ws)
+
+
 def _small_and_clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool | None:
-    """`_clean` as three answers, its verdict returned, not kept. True: clean (flags
+    """`_clean_rows` as three answers, its verdict returned, not kept. True: clean (flags
     settled); False: not finite; None: float16 or a large batch."""
-    if x.dtype is _FLOAT16 or not 0 < x.numel() < _CHUNKED_CHECK_MIN:
+    dtype, rows, vocab = x.dtype, flags.numel(), x.shape[-1]
+    if dtype is _FLOAT16 or not 0 < rows * vocab < _CHUNKED_CHECK_MIN:
         return None
-    if _clean(x, flags, ws):
+    if x.dim() != 2:
+        x = x.reshape(rows, vocab)
+    if _clean_rows(x, rows, vocab, dtype, flags, ws):
         return True
     ws.checked = None
     return False
@@ -421,6 +433,7 @@ class CpuLogitsKernel:
     # clean by one pass of sums. At B=1 the whole call is a ~15 us sum, and every Python
     # layer between the site and it shows in the ratio.
     check = staticmethod(_clean)
+    check_rows = staticmethod(_clean_rows)
 
     def __call__(
         self, x: torch.Tensor, flags: torch.Tensor, counts: torch.Tensor, spec: HealSpec, ws: Any

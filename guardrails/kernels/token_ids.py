@@ -7,6 +7,8 @@ one `aminmax` proves a clean batch clean first and only a batch with a bad id pa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from guardrails.flags import RowFlag
@@ -15,6 +17,12 @@ __all__ = ["guard_token_ids_"]
 
 _U8 = torch.uint8
 _HOST_READ_MAX = 256  # ids a CPU call reads as a list rather than reduce
+
+
+@functools.cache
+def _largest(dtype: torch.dtype) -> int:
+    """The largest value `dtype` holds (`torch.iinfo` makes an object at every call)."""
+    return int(torch.iinfo(dtype).max)
 
 
 def guard_token_ids_(
@@ -32,7 +40,7 @@ def guard_token_ids_(
     # Compared against the largest valid id, clamped to what the dtype holds: torch casts a
     # Python int to the tensor's dtype, so `ids >= 128` on int8 ids wrapped to `ids >= -128`
     # and flagged (and replaced) every valid id whenever vocab_size exceeded the dtype.
-    high = min(vocab_size - 1, torch.iinfo(ids.dtype).max)
+    high = min(vocab_size - 1, _largest(ids.dtype))
     count = ids.numel()
     if ids.is_cpu and count:
         # On the CPU a host branch is free: one reduction proves a clean batch clean (the

@@ -27,6 +27,7 @@ __all__ = [
     "CleanCheck",
     "DeviceState",
     "Key",
+    "RowsCheck",
     "cuda_stream_id",
     "get_ident",
     "normalise",
@@ -38,6 +39,8 @@ get_ident: Final = threading.get_ident
 Key = int | tuple[int, int]
 # A kernel's host-side clean check (see LogitsKernel): (x, flags, workspace) -> clean.
 CleanCheck = Callable[[torch.Tensor, torch.Tensor, Any], bool]
+# The same for 2-d logits the caller has read: (x, rows, vocab, dtype, flags, workspace).
+RowsCheck = Callable[[torch.Tensor, int, int, torch.dtype, torch.Tensor, Any], bool]
 MAX_CACHED_VIEWS: Final = 64
 # Threads with buffers on one device before those of threads that have ended are reclaimed.
 RECLAIM_AT: Final = 64
@@ -95,6 +98,7 @@ class DeviceState:
         "buffers",
         "capacity",
         "check",
+        "check_rows",
         "counts",
         "device",
         "kernel",
@@ -112,6 +116,7 @@ class DeviceState:
         self.kernel = kernel  # None at token-id sites
         # The kernel's host-side clean check, where it has one (see LogitsKernel).
         self.check: CleanCheck | None = getattr(kernel, "check", None)
+        self.check_rows: RowsCheck | None = getattr(kernel, "check_rows", None)
         self.counts = DeviceCounts(device, slots)
         self.capacity = capacity  # rows every thread's buffers hold at least
         # Buffers replaced by a growth, kept on CUDA: a graph captured before the growth

@@ -53,8 +53,8 @@ from guardrails.reporting.mirror import DeviceCounts
 from guardrails.sites import ops
 from guardrails.sites._buffers import (
     Buffers,
-    CleanCheck,
     DeviceState,
+    RowsCheck,
     get_ident,
     normalise,
     thread_of,
@@ -118,7 +118,7 @@ class _SiteBase:
         self._state: DeviceState | None = None  # the last device used: the common case
         # The CPU state when its kernel has a host-side clean check: `LogitsSite.__call__`'s
         # short path (a clean CPU batch from a thread that has called with this row count).
-        self._cpu: tuple[DeviceState, CleanCheck] | None = None
+        self._cpu: tuple[DeviceState, RowsCheck] | None = None
         self._pinned_device = None if device is None else torch.device(device)
         self._calls = 0
         self.last_dtype: torch.dtype | None = None
@@ -152,8 +152,8 @@ class _SiteBase:
                     )
                 state = DeviceState(device, max(rows, 1), len(self.slots), kernel)
                 self._states[device] = state
-                if device.type == "cpu" and state.check is not None:
-                    self._cpu = state, state.check
+                if device.type == "cpu" and state.check_rows is not None:
+                    self._cpu = state, state.check_rows
                 if self._reporter is not None:
                     self._reporter.track(self, state.counts)
             else:
@@ -319,7 +319,11 @@ class LogitsSite(_SiteBase):
             # Not two dimensions: a ValueError from unpacking; a sparse or nested tensor: a
             # RuntimeError. The full path says what is wrong, if anything.
             try:
-                if type(logits) is _TENSOR and logits.is_cpu and logits.dtype in self._specs:
+                if (
+                    type(logits) is _TENSOR
+                    and logits.is_cpu
+                    and (dtype := logits.dtype) in self._specs
+                ):
                     count, vocab = logits.shape
                     row_stride, step = logits.stride()
                     # Rows of adjacent values that do not overlap, contiguous or not (vLLM's
@@ -331,7 +335,7 @@ class LogitsSite(_SiteBase):
             home, clean = cpu
             buffers = home.buffers.get(get_ident()) if rows >= 0 else None
             if buffers is not None and (flags := buffers.views.get(rows)) is not None:
-                if clean(logits, flags, buffers.workspace):
+                if clean(logits, rows, vocab, dtype, flags, buffers.workspace):
                     with self._lock:
                         calls = self._calls = self._calls + 1
                         buffers.recent, buffers.recent_call = flags, calls
