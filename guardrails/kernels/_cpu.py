@@ -159,10 +159,12 @@ def _clean_rows(
 def _clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool:
     """`_clean_rows` for logits of any shape `[..., vocab]` (`CpuLogitsKernel.check`); `flags`
     holds one entry per row."""
-    rows, vocab = flags.numel(), x.shape[-1]
+    dtype, rows, vocab = x.dtype, flags.numel(), x.shape[-1]
     if x.dim() != 2:
+        if dtype is _FLOAT16 or not 0 < rows * vocab < _CHUNKED_CHECK_MIN:
+            return False  # not this check's: before a reshape that may copy
         x = x.reshape(rows, vocab)  # a copy only for a non-contiguous N-d view: rare
-    return _clean_rows(x, rows, vocab, x.dtype, flags, ws)
+    return _clean_rows(x, rows, vocab, dtype, flags, ws)
 
 
 def _small_and_clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool | None:
