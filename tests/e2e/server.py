@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "config" / "profiles"
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 240.0
+# Every server this run started and how long it took to answer /health: the suite's summary.
+STARTED: list[tuple[str, float]] = []
 STOP_TIMEOUT_S = 30.0
 # Reporting by time alone: no site ever ticks (a million calls between copies), so every count
 # a test reads on such a server reached /metrics through the background poll, within
@@ -115,6 +117,7 @@ class Server:
         self.started_in_s = time.monotonic() - begun
         command = " ".join(Path(arg).name for arg in self.argv[:8])
         print(f"\n[e2e] {command} ...: healthy in {self.started_in_s:.1f} s")
+        STARTED.append((command, self.started_in_s))
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
