@@ -168,14 +168,12 @@ def _clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool:
 
 
 def _small_and_clean(x: torch.Tensor, flags: torch.Tensor, ws: _Workspace) -> bool | None:
-    """`_clean_rows` as three answers, its verdict returned, not kept. True: clean (flags
-    settled); False: not finite; None: float16 or a large batch."""
-    dtype, rows, vocab = x.dtype, flags.numel(), x.shape[-1]
-    if dtype is _FLOAT16 or not 0 < rows * vocab < _CHUNKED_CHECK_MIN:
+    """`_clean` as three answers, its verdict returned, not kept. True: clean (flags
+    settled); False: not finite; None: float16 or a large batch. (Off the site's hot path:
+    the site asks `check`/`check_rows` first, and the kernel then reuses that verdict.)"""
+    if x.dtype is _FLOAT16 or not 0 < x.numel() < _CHUNKED_CHECK_MIN:
         return None
-    if x.dim() != 2:
-        x = x.reshape(rows, vocab)
-    if _clean_rows(x, rows, vocab, dtype, flags, ws):
+    if _clean(x, flags, ws):
         return True
     ws.checked = None
     return False

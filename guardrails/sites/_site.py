@@ -342,7 +342,9 @@ class LogitsSite(_SiteBase):
                     if calls % self._every == 0:
                         self._report(logits, home, due=True)
                     return flags
-                checked = True  # not finite: the full path guards without checking again
+                # Not proved clean (not finite, or float16 or a large batch, which the check
+                # leaves to the kernel): the full path guards without asking it again.
+                checked = True
         # The full path: a few attribute reads around one kernel call (B=1 decode on a GPU
         # pays every one of them).
         try:
