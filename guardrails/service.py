@@ -39,6 +39,7 @@ from guardrails.reporting._reporter import Reporter
 from guardrails.reporting.hook_errors import HookErrors
 from guardrails.reporting.request_aborts import RequestAborts
 from guardrails.settings import GuardSettings
+from guardrails.settings.targets import newer_than_verified
 from guardrails.sites import DisabledSite, LogitsSite, Site, SiteRegistry, TokenSite
 from guardrails.tracing.tracer import Trace
 
@@ -192,6 +193,11 @@ class Guardrails:
         """The engine-hook handles `install_hooks()` made (`.state`, `.calls`, `.remove()`)."""
         return self._attachment.hooks()
 
+    def hook_off(self, name: str, target: str, state: str) -> None:
+        """Report an engine-hook part that will not run (`state`: why) as off at once:
+        `guardrails_site_not_called{site=name}` at 1 and `guardrails.site_not_called`."""
+        self._attachment.hook_off(name, target, state)
+
     # -- tracing (Traces) -----------------------------------------------------------------
 
     def trace(
@@ -292,6 +298,7 @@ class Guardrails:
 def startup_warnings(settings: GuardSettings) -> list[str]:
     """What the start-up event (and `guardrails check`) warns about, one line each."""
     warnings = [str(notice) for notice in settings.notices]
+    warnings += newer_than_verified(settings.verified_with)
     owners = other_owners()
     if owners:
         warnings.append(clash_advice(owners))

@@ -12,6 +12,8 @@ suites=(
     "sglang-0.5.13.post1 sglang"
     "vllm-0.33.0 vllm"
     "vllm-0.33.0 vllm/v2"
+    # 0.34.0 has Model Runner V2 only: its V1 half (tests/engines/vllm) has nothing to drive.
+    "vllm-0.34.0 vllm/v2"
 )
 rm -rf .engines/results
 mkdir -p .engines/results

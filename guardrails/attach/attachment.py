@@ -25,6 +25,7 @@ from guardrails.attach.errors import Recorders
 from guardrails.attach.liveness import (
     HeartbeatHandle,
     Liveness,
+    Observation,
     Watched,
     heartbeat_points,
     watched_now,
@@ -183,6 +184,14 @@ class Attachment:
     def hooks(self) -> list[Any]:
         """The engine-hook handles `install_hooks()` made."""
         return list(self._hooks)
+
+    def hook_off(self, name: str, target: str, state: str) -> None:
+        """An engine-hook part that will not run in this process (`state`: why): reported
+        now as the liveness self-check reports a silent one, gauge at 1 and the event, in
+        every process (the engine core has no heartbeat to wait for)."""
+        watched = Watched(name, 0, (target,), (state,))
+        observation = Observation(watched, silent=True, first=True, steps=0)
+        self._reporter.liveness([observation], "(none: not applied)")
 
     def close(self) -> None:
         """Remove the heartbeat patches: the engine's method goes back (or, wrapped since by

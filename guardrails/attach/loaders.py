@@ -72,6 +72,10 @@ LOADERS: Final[dict[str, str]] = {
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model": "self.get_model()",
     "sglang.srt.model_executor.model_runner:ModelRunner.load_model": "self.model",
 }
+# Loaders only some engine versions have (vLLM 0.34.0 removed the V1 model runner).
+LOADERS_WHEN: Final[dict[str, str]] = {
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model": "vllm<0.34",
+}
 _MODEL_PATH: Final = re.compile(r"self(\.[A-Za-z_]\w*(\(\))?)+")
 
 
@@ -183,6 +187,7 @@ def loader_points(settings: GuardSettings) -> list[tuple[AttachPoint, str]]:
                 site="trace",
                 target=parse_target(text),
                 tensor=Ref("return"),
+                when=LOADERS_WHEN.get(text),
                 origin=settings.origin("trace", "modules"),
             ),
             model_at,

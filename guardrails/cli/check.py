@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         _check_trace(settings, warnings=warnings)
         errors += _check_hooks(settings, strict=args.strict, warnings=warnings)
         errors += _check_abort_on(settings)
+        errors += _check_verified(settings, strict=args.strict, warnings=warnings)
     if points and not _has_wrapt():
         errors.append("wrapt is not importable: [[attach]] entries need it (pip install wrapt)")
     for error in errors:
@@ -167,11 +168,15 @@ def _check_points(
 
     errors: list[str] = []
     not_importable = skipped = 0
+    # Per site: whether any point is for the versions installed here.
+    applicable: dict[str, bool] = {}
     for index, point in points:
         report = inspect_point(point)
         label = f"attach[{index}]"
         enabled = settings is None or settings.is_site_enabled(point.site)
         state = "" if enabled else " (site disabled)"
+        usable = report.status != "inapplicable"
+        applicable[point.site] = applicable.get(point.site, False) or usable
         if report.status == "ok":
             print(f"  {label:<13} ok       {point}{state}")
             continue
@@ -185,6 +190,20 @@ def _check_points(
         else:
             print(f"  {label:<13} error    {point}: {report.message}")
             errors.append(f"{point.origin}: {point.target}: {report.message}")
+    for site, usable in applicable.items():
+        if usable or (settings is not None and not settings.is_site_enabled(site)):
+            continue
+        # Every point of the site is for other engine versions: nothing guards it here. An
+        # error for a site expected at every step (a stale profile guards nothing and would
+        # say ok); a site only some steps call (eagle.*: V1's speculative rows, which later
+        # runners guard at another site) is named.
+        message = f"site {site}: every attach point is for other versions of the engine here"
+        if settings is not None and not settings.site_settings(site).expect_calls:
+            print(f"  {'site':<13} skipped  {message} (only some steps call it)")
+            continue
+        message += ", so nothing guards it (add a point for this version)"
+        print(f"  {'site':<13} error    {message}")
+        errors.append(message)
     return errors, not_importable, skipped
 
 
@@ -233,6 +252,8 @@ def _check_trace(settings: GuardSettings, *, warnings: list[str]) -> None:
             print(f"  {'loader':<13} ok       {text}")
         elif report.status == "not_importable":
             print(f"  {'loader':<13} absent   {text} ({report.message})")
+        elif report.status == "inapplicable":
+            print(f"  {'loader':<13} skipped  {text}: {report.message}")
         elif modules:
             _warn(warnings, "loader", f"{text}: {report.message}")
         else:
@@ -309,7 +330,7 @@ def _check_half(name: str, half: Any, *, strict: bool, warnings: list[str]) -> l
         print(f"  {label:<13} skipped  {path}: for {when}")
         return []
     try:
-        problem = half.inspect()
+        problems = list(half.inspect())
     except ImportError as exc:
         message = f"{name}: {path}: not importable here ({exc})"
         if strict:
@@ -318,12 +339,15 @@ def _check_half(name: str, half: Any, *, strict: bool, warnings: list[str]) -> l
         _warn(warnings, label, message)
         return []
     except Exception as exc:
-        problem = f"importing it failed: {type(exc).__name__}: {exc}"
-    if problem is None:
-        print(f"  {label:<13} ok       {path}")
+        problems = [f"importing it failed: {type(exc).__name__}: {exc}"]
+    reads = len(getattr(half, "reads", ()))
+    if not problems:
+        what = f" ({reads} declared reads hold)" if reads else ""
+        print(f"  {label:<13} ok       {path}{what}")
         return []
-    print(f"  {label:<13} error    {path}: {problem}")
-    return [f"hook {name}: {path}: {problem}"]
+    for problem in problems:
+        print(f"  {label:<13} error    {path}: {problem}")
+    return [f"hook {name}: {path}: {problem}" for problem in problems]
 
 
 def _check_abort_on(settings: GuardSettings) -> list[str]:
@@ -341,6 +365,23 @@ def _check_abort_on(settings: GuardSettings) -> list[str]:
         )
         print(f"  {'abort_on':<13} error    {message}")
         errors.append(message)
+    return errors
+
+
+def _check_verified(settings: GuardSettings, *, strict: bool, warnings: list[str]) -> list[str]:
+    """An engine newer than the configuration was verified against: what its hooks and
+    points read may have moved (a warning; an error under --strict)."""
+    from guardrails.settings.targets import newer_than_verified
+
+    for text in settings.verified_with:
+        print(f"  {'verified':<13} {text}")
+    errors = []
+    for line in newer_than_verified(settings.verified_with):
+        if strict:
+            print(f"  {'verified':<13} error    {line}")
+            errors.append(line)
+        else:
+            _warn(warnings, "verified", line)
     return errors
 
 

@@ -12,11 +12,14 @@ applies), logged once per part as `guardrails.hook_error` through the host's log
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import wrapt
 
+from guardrails.attach.expects import Expect, verify
+from guardrails.attach.points import AttachError
+from guardrails.exceptions import Problem
 from guardrails.reporting.hook_errors import HookErrors
 from guardrails.reporting.request_aborts import RequestAborts
 
@@ -32,9 +35,16 @@ class MethodHook:
     these, and `Guardrails.install_hooks()` installs them, so that `guardrails check` can
     inspect a hook's halves without wrapping anything.
 
+    `reads` declares what the half reads from the engine beyond the method's name
+    (`guardrails.attach.expects`): checked when the module is imported, before anything is
+    wrapped. A half whose engine does not have it is not applied (state "mismatch"): reported
+    once (`guardrails_attach_errors_total`, event `guardrails.attach_error`), marked off at
+    once in `guardrails_site_not_called{site="hook:Owner.method"}`, and the engine's method
+    runs as it is, with no error at every step.
+
     `.state` is pending, applied, disabled, inapplicable (`when` names other versions of the
-    engine), error or removed; `.calls` counts the calls it handled. `expect_calls` marks a
-    half that runs in the heartbeat's process whenever the heartbeat does (a model-runner
+    engine), mismatch, error or removed; `.calls` counts the calls it handled. `expect_calls`
+    marks a half that runs in the heartbeat's process whenever the heartbeat does (a model-runner
     half): the liveness self-check reports it when it sees no call, under `watch_name` (the
     hook's name; `expect_calls="group"` watches it as "hook:group", apart from the hook's
     other halves). Halves of one name are alternatives (one per model runner, only one of
@@ -52,10 +62,12 @@ class MethodHook:
         *,
         expect_calls: bool | str = False,
         when: str | None = None,
+        reads: Sequence[Expect] = (),
     ) -> None:
         self.hook, self.module, self.target, self._half = hook, module, target, half
         self.expect_calls = expect_calls
         self.when = when
+        self.reads = tuple(reads)
         self.calls = 0
         self._guards = guards
         self._wrapper: Any = None
@@ -86,17 +98,18 @@ class MethodHook:
                 return
         wrapt.register_post_import_hook(self._apply, self.module)
 
-    def inspect(self) -> str | None:
-        """Import the module and find the method without wrapping it (`guardrails check`):
-        None when it resolves, else what is wrong. ImportError propagates."""
+    def inspect(self) -> list[str]:
+        """Import the module, find the method and verify what the half reads, without
+        wrapping anything (`guardrails check`): [] when all holds, else one line per
+        problem. ImportError of the method's own module propagates."""
         import importlib
 
         module = importlib.import_module(self.module)
         try:
             self._resolve(module)
         except AttributeError as exc:
-            return str(exc)
-        return None
+            return [str(exc)]
+        return verify(self.reads)
 
     def _resolve(self, module: Any) -> tuple[Any, str]:
         owner_name, _, method = self.target.partition(".")
@@ -112,6 +125,10 @@ class MethodHook:
             return
         try:
             owner, method = self._resolve(module)
+            problems = verify(self.reads)
+            if problems:
+                self._mismatch(problems)
+                return
             wrapt.wrap_function_wrapper(owner, method, self._call)
             self._wrapper = owner.__dict__.get(method)
             self._owner, self._method = owner, method
@@ -121,6 +138,12 @@ class MethodHook:
         except Exception as exc:
             self.state = "error"
             self._guards.attach_errors.record(site=self.hook, target=self.path, error=exc)
+
+    def _mismatch(self, problems: list[str]) -> None:
+        self.state = "mismatch"
+        error = AttachError([Problem(self.path, f"reads {p}") for p in problems])
+        self._guards.attach_errors.record(site=self.hook, target=self.path, error=error)
+        self._guards.hook_off(f"{self.hook}:{self.target}", self.path, self.state)
 
     def _call(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         if self.state != "applied":

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from guardrails.attach.expects import Expect, calls, reads
 from guardrails.flags import RowFlag
 from guardrails.integrations._hooks import MethodHook, PartFailures, request_aborts
 
@@ -82,6 +83,13 @@ RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
 RUNNER_TARGET: Final = "GPUModelRunner._bookkeeping_sync"
 RUNNER_V2_MODULE: Final = "vllm.v1.worker.gpu.model_runner"
 RUNNER_V2_TARGET: Final = "GPUModelRunner.sample"
+# vLLM >= 0.34 on CPUs without Triton (non-x86): Model Runner V2's standalone CPU runner.
+RUNNER_CPU_MODULE: Final = "vllm.v1.worker.cpu.standalone_model_runner"
+RUNNER_CPU_TARGET: Final = "StandaloneCPUModelRunner.sample"
+ZERO_CPU_TARGET: Final = "StandaloneCPUModelRunner.update_requests"
+# vLLM 0.34.0 removed the V1 model runner and its sampler modules.
+V1: Final = "vllm<0.34"
+V2: Final = "vllm>=0.32"
 VERIFY_MODULE: Final = "vllm.v1.sample.rejection_sampler"
 VERIFY_TARGET: Final = "RejectionSampler.forward"
 SCHEDULER_MODULE: Final = "vllm.v1.core.sched.scheduler"
@@ -108,66 +116,149 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     enabled = guards.is_enabled(SITE) and bool(guards.settings.site_settings(SITE).abort_flags)
     verify = _SpecMarks()
     freed = _FreedBlocks()
+
+    def part(module: str, target: str, half: Any, on: bool = True, **options: Any) -> MethodHook:
+        return MethodHook(guards, HOOK, module, target, half, enabled and on, **options)
+
     return [
-        MethodHook(
-            guards,
-            HOOK,
+        part(
             RUNNER_V2_MODULE,
             RUNNER_V2_TARGET,
             _RunnerV2Half(guards),
-            enabled,
             expect_calls=True,
-            when="vllm>=0.32",
+            when=V2,
+            reads=_runner_v2_reads(RUNNER_V2_MODULE, RUNNER_V2_TARGET, _V2_TYPES),
         ),
-        MethodHook(
-            guards,
-            HOOK,
+        part(
+            RUNNER_CPU_MODULE,
+            RUNNER_CPU_TARGET,
+            _RunnerV2Half(guards),
+            expect_calls=True,
+            when="vllm>=0.34",
+            reads=_runner_v2_reads(RUNNER_CPU_MODULE, RUNNER_CPU_TARGET, _CPU_TYPES),
+        ),
+        part(
             RUNNER_MODULE,
             RUNNER_TARGET,
             _RunnerHalf(guards, verify),
-            enabled,
             expect_calls=True,
+            when=V1,
+            reads=[calls(f"{RUNNER_MODULE}:{RUNNER_TARGET}")],
         ),
         # Not watched: only speculative steps call it.
-        MethodHook(
-            guards,
-            HOOK,
+        part(
             VERIFY_MODULE,
             VERIFY_TARGET,
             _VerifyHalf(guards, verify),
-            enabled and _verify_aborts(guards),
+            _verify_aborts(guards),
+            when=V1,
+            reads=[
+                calls(f"{VERIFY_MODULE}:{VERIFY_TARGET}", "metadata"),
+                reads("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "bonus_logits_indices"),
+            ],
         ),
-        MethodHook(
-            guards,
-            HOOK,
-            SCHEDULER_MODULE,
-            SCHEDULER_TARGET,
-            _SchedulerHalf(guards, freed),
-            enabled,
-        ),
+        part(SCHEDULER_MODULE, SCHEDULER_TARGET, _SchedulerHalf(guards, freed), reads=_SCHEDULER),
         # Not watched: schedule runs in the engine core; the zeroer halves act only on a step
         # that zeroes a poisoned request's blocks.
-        MethodHook(
-            guards, HOOK, SCHEDULER_MODULE, SCHEDULE_TARGET, _ScheduleHalf(guards, freed), enabled
+        part(
+            SCHEDULER_MODULE,
+            SCHEDULE_TARGET,
+            _ScheduleHalf(guards, freed),
+            reads=[reads("vllm.v1.core.sched.output:SchedulerOutput", "new_block_ids_to_zero")],
         ),
-        MethodHook(
-            guards,
-            HOOK,
+        part(
             RUNNER_MODULE,
             ZERO_TARGET,
             _ZeroerHalf(guards, ZERO_TARGET, v2=False),
-            enabled,
+            when=V1,
+            reads=[reads(f"{RUNNER_MODULE}:GPUModelRunner", "_init_kv_zero_meta")],
         ),
-        MethodHook(
-            guards,
-            HOOK,
+        part(
             RUNNER_V2_MODULE,
             ZERO_V2_TARGET,
             _ZeroerHalf(guards, ZERO_V2_TARGET, v2=True),
-            enabled,
-            when="vllm>=0.32",
+            when=V2,
+            reads=_zeroer_v2_reads(RUNNER_V2_MODULE, ZERO_V2_TARGET),
+        ),
+        part(
+            RUNNER_CPU_MODULE,
+            ZERO_CPU_TARGET,
+            _ZeroerHalf(guards, ZERO_CPU_TARGET, v2=True),
+            when="vllm>=0.34",
+            reads=_zeroer_v2_reads(RUNNER_CPU_MODULE, ZERO_CPU_TARGET),
         ),
     ]
+
+
+# -- what the halves read from vLLM (checked by `guardrails check` and before applying) ----
+
+# Model Runner V2's batch and sampler output types: GPU runner, standalone CPU runner.
+_V2_TYPES: Final = (
+    "vllm.v1.worker.gpu.input_batch:InputBatch",
+    "vllm.v1.worker.gpu.sample.output:SamplerOutput",
+)
+_CPU_TYPES: Final = (
+    "vllm.v1.worker.cpu.input_batch:InputBatch",
+    "vllm.v1.worker.cpu.sampler:SamplerOutput",
+)
+
+
+def _runner_v2_reads(module: str, target: str, types: tuple[str, str]) -> list[Expect]:
+    batch, output = types
+    return [
+        calls(f"{module}:{target}", "hidden_states", "input_batch"),
+        reads(batch, "num_reqs", "cu_num_logits"),
+        reads(output, "num_nans"),
+    ]
+
+
+def _zeroer_v2_reads(module: str, target: str) -> list[Expect]:
+    owner = target.partition(".")[0]
+    return [
+        calls(f"{module}:{target}", "scheduler_output"),
+        reads(f"{module}:{owner}", "kv_block_zeroer", "_init_kv_zero_meta"),
+        reads("vllm.v1.core.sched.output:SchedulerOutput", "new_block_ids_to_zero"),
+    ]
+
+
+# The scheduler half: the runner's output, the scheduler's requests and KV cache, and what
+# it builds to end a request the way vLLM's own update_from_output does.
+_SCHEDULER: Final = (
+    calls(f"{SCHEDULER_MODULE}:{SCHEDULER_TARGET}", "scheduler_output", "model_runner_output"),
+    calls(f"{SCHEDULER_MODULE}:Scheduler.finish_requests", "request_ids", "finished_status"),
+    reads(f"{SCHEDULER_MODULE}:Scheduler", "requests", "kv_cache_manager"),
+    reads(
+        "vllm.v1.outputs:ModelRunnerOutput", "req_ids", "sampled_token_ids", "num_nans_in_logits"
+    ),
+    reads(
+        "vllm.v1.core.kv_cache_manager:KVCacheManager",
+        "evict_blocks",
+        "get_block_ids",
+        "block_pool",
+    ),
+    reads("vllm.v1.core.block_pool:BlockPool", "blocks"),
+    reads("vllm.v1.core.kv_cache_utils:KVCacheBlock", "ref_cnt", "is_null"),
+    reads(
+        "vllm.v1.request:Request",
+        "request_id",
+        "client_index",
+        "num_nans_in_logits",
+        "trace_headers",
+        "get_finished_reason",
+        "take_events",
+    ),
+    reads("vllm.v1.request:RequestStatus", "FINISHED_ERROR"),
+    reads(
+        "vllm.v1.engine:EngineCoreOutput",
+        "request_id",
+        "new_token_ids",
+        "finish_reason",
+        "events",
+        "trace_headers",
+        "num_nans_in_logits",
+    ),
+    reads("vllm.v1.engine:EngineCoreOutputs", "outputs"),
+)
 
 
 def _verify_aborts(guards: Guardrails) -> bool:
@@ -495,7 +586,8 @@ class _SchedulerHalf:
         poisoned = {req_id: n for req_id, n in counts.items() if n > 0}
         if poisoned:
             # The token sampled from a healed row means nothing: never hand it to the client.
-            index = model_runner_output.req_id_to_index
+            # The output's rows follow its req_ids (vLLM < 0.34 also kept req_id_to_index).
+            index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
             sampled = list(model_runner_output.sampled_token_ids)
             for req_id in poisoned:
                 i = index.get(req_id)

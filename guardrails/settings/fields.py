@@ -43,6 +43,7 @@ __all__ = [
     "TokenId",
     "TraceMode",
     "TracePatterns",
+    "Verified",
     "VocabSize",
     "is_loopback",
     "site_table_names",
@@ -100,6 +101,19 @@ def _requirement(text: str) -> str:
     return text
 
 
+def _pinned(texts: tuple[str, ...]) -> tuple[str, ...]:
+    names: set[str] = set()
+    for text in texts:
+        requirement = parse_requirement(text)
+        specs = list(requirement.specifier)
+        if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:
+            raise ValueError(f"{text!r} is not one engine version such as 'vllm==0.34.0'")
+        if requirement.name in names:
+            raise ValueError(f"{requirement.name} is named twice")
+        names.add(requirement.name)
+    return texts
+
+
 def _one_or_more(value: object) -> object:
     # `heartbeat = "pkg.mod:Cls.meth"` in the file is one item, not a list of characters.
     return (value,) if isinstance(value, str) else value
@@ -138,6 +152,7 @@ Ref = Annotated[str, AfterValidator(_ref)]
 Requirement = Annotated[str, AfterValidator(_requirement)]
 Targets = Annotated[tuple[str, ...], BeforeValidator(_one_or_more), AfterValidator(_targets)]
 HookNames = Annotated[tuple[str, ...], AfterValidator(_known_hooks)]
+Verified = Annotated[tuple[str, ...], BeforeValidator(_one_or_more), AfterValidator(_pinned)]
 FlagNames = Annotated[tuple[str, ...], AfterValidator(_known_flags)]
 
 

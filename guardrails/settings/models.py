@@ -70,6 +70,7 @@ from guardrails.settings.fields import (
     TokenId,
     TraceMode,
     TracePatterns,
+    Verified,
     VocabSize,
     site_table_names,
 )
@@ -379,6 +380,14 @@ class GuardSettings(BaseSettings):
             "one target or a list of them (" + TARGET_SYNTAX + "), comma-separated in the variable",
             "a call every engine step passes; attached sites that see no call while it "
             "runs liveness_steps times are reported (guardrails.site_not_called)",
+        ),
+    ] = ()
+    verified_with: Annotated[
+        Verified,
+        setting(
+            "engine versions such as vllm==0.34.0, comma-separated in the variable",
+            "the newest engine versions this configuration was verified against; a newer "
+            "one installed is a start-up warning (guardrails check --strict: an error)",
         ),
     ] = ()
     liveness_steps: Annotated[

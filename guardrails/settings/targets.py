@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
@@ -27,6 +28,7 @@ __all__ = [
     "imported_version",
     "installed_distribution",
     "installed_version",
+    "newer_than_verified",
     "parse_ref",
     "parse_requirement",
     "parse_target",
@@ -193,3 +195,29 @@ def requirement_holds(text: str, version: str | None = None) -> bool | None:
     except InvalidVersion:
         return None
     return parse_requirement(text).specifier.contains(parsed, prereleases=True)
+
+
+def newer_than_verified(verified: Iterable[str]) -> list[str]:
+    """One line for each `name==version` of `verified` whose installed distribution is newer:
+    code that reaches into an engine by name may find it moved."""
+    from packaging.version import InvalidVersion, Version
+
+    lines = []
+    for text in verified:
+        requirement = parse_requirement(text)
+        pinned = next(iter(requirement.specifier)).version
+        found = installed_distribution(requirement.name)
+        if found is None:
+            continue
+        distribution, version = found
+        try:
+            newer = Version(version) > Version(pinned)
+        except InvalidVersion:
+            continue
+        if newer:
+            lines.append(
+                f"{distribution} {version} is installed, newer than {requirement.name} "
+                f"{pinned}, the newest this configuration was verified against: run "
+                "`guardrails check --strict` and the engine suites before serving with it"
+            )
+    return lines

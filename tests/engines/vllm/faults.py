@@ -162,6 +162,30 @@ def profile_settings(profile: Path = PROFILE, **overrides: object) -> gr.GuardSe
     return gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(profile)}, **overrides)
 
 
+def runner_states(v2_imported: bool) -> dict[str, str]:
+    """The states of `vllm.end_poisoned_requests`' parts in a process that imported one
+    runner's module (V2's when `v2_imported`, else V1's) and the scheduler's, by target:
+    the other runners' parts wait for their module (pending), or are for other versions of
+    vLLM (inapplicable: V1's from 0.34.0 on, the standalone CPU runner's before it)."""
+    from guardrails.settings.targets import requirement_holds
+
+    v034 = bool(requirement_holds("vllm>=0.34"))
+    v1 = "inapplicable" if v034 else ("pending" if v2_imported else "applied")
+    v2 = "applied" if v2_imported else "pending"
+    standalone = "pending" if v034 else "inapplicable"
+    return {
+        "GPUModelRunner.sample": v2,
+        "StandaloneCPUModelRunner.sample": standalone,
+        "GPUModelRunner._bookkeeping_sync": v1,
+        "RejectionSampler.forward": v1,  # V1's speculative half
+        "Scheduler.update_from_output": "applied",
+        "Scheduler.schedule": "applied",
+        "GPUModelRunner._zero_block_ids": v1,
+        "GPUModelRunner.update_requests": v2,
+        "StandaloneCPUModelRunner.update_requests": standalone,
+    }
+
+
 @contextmanager
 def guarded(
     profile: Path = PROFILE, registry: CollectorRegistry | None = None, **overrides: object

@@ -21,7 +21,7 @@ import torch
 
 from guardrails import Guardrails
 
-from ..faults import BLOCK_SIZE, NAN_IDS, VOCAB, guarded
+from ..faults import BLOCK_SIZE, NAN_IDS, VOCAB, guarded, runner_states
 from .runner import Engine, engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -45,15 +45,7 @@ def hooked() -> Iterator[Guardrails]:
         handles = guards.install_hooks()
         try:
             # Only V2's runner module is imported in this process, as in a V2 worker.
-            assert {h.target: h.state for h in handles} == {
-                "GPUModelRunner.sample": "applied",
-                "GPUModelRunner._bookkeeping_sync": "pending",
-                "RejectionSampler.forward": "pending",  # V1's speculative half
-                "Scheduler.update_from_output": "applied",
-                "Scheduler.schedule": "applied",
-                "GPUModelRunner._zero_block_ids": "pending",
-                "GPUModelRunner.update_requests": "applied",
-            }
+            assert {h.target: h.state for h in handles} == runner_states(v2_imported=True)
             yield guards
         finally:
             for handle in handles:
