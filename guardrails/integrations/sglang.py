@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from guardrails.attach.expects import calls, reads
 from guardrails.integrations._hooks import MethodHook, PartFailures, request_aborts
 
 if TYPE_CHECKING:
@@ -84,14 +85,41 @@ def abort_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     # processors as alternatives of one another.
     hooks = [
         MethodHook(
-            guards, HOOK, SAMPLER_MODULE, SAMPLER_TARGET, sampler, enabled, expect_calls=True
+            guards,
+            HOOK,
+            SAMPLER_MODULE,
+            SAMPLER_TARGET,
+            sampler,
+            enabled,
+            expect_calls=True,
+            reads=[calls(f"{SAMPLER_MODULE}:{SAMPLER_TARGET}", "logits_output")],
         )
     ]
     hooks += [
-        MethodHook(guards, HOOK, RESULTS_MODULE, target, scheduler, enabled, expect_calls="results")
+        MethodHook(
+            guards,
+            HOOK,
+            RESULTS_MODULE,
+            target,
+            scheduler,
+            enabled,
+            expect_calls="results",
+            reads=[calls(f"{RESULTS_MODULE}:{target}", "batch", "result"), *_RESULTS_READ],
+        )
         for target in RESULTS_TARGETS
     ]
     return hooks
+
+
+# What the scheduler half reads besides its arguments (checked by `guardrails check` and
+# before it is applied). The KV fields zero_own_kv reads moved between versions (`req.kv`
+# on 0.5.23, the request itself on 0.5.13) and are looked up where they are.
+_BATCH: Final = "sglang.srt.managers.schedule_batch"
+_RESULTS_READ: Final = (
+    reads(f"{_BATCH}:ScheduleBatch", "reqs", "req_to_token_pool", "token_to_kv_pool_allocator"),
+    reads(f"{_BATCH}:Req", "rid", "to_finish", "skip_radix_cache_insert", "finished"),
+    reads(f"{_BATCH}:FINISH_ABORT"),
+)
 
 
 class _Marks:

@@ -404,6 +404,7 @@ class Reporter:
                         targets=watched.targets,
                         states=watched.states,
                         calls_total=watched.calls,
+                        off=watched.kind == "off",
                     )
                 )
         self._deliver(outbox)

@@ -146,8 +146,10 @@ def site_not_called_event(
     targets: Sequence[str],
     states: Sequence[str],
     calls_total: int,
+    off: bool = False,
 ) -> Event:
-    """`guardrails.site_not_called`: a watched site saw no call in a liveness window."""
+    """`guardrails.site_not_called`: a watched site saw no call in a liveness window; `off`:
+    an engine-hook part that was not applied (its engine lacks what it reads)."""
     return (
         "warning",
         SITE_NOT_CALLED_EVENT,
@@ -159,7 +161,10 @@ def site_not_called_event(
             "targets": list(targets),
             "state": list(states),
             "calls_total": calls_total,
-            "action": "the engine runs a path this site is not on: it guards "
+            "action": "this hook part is off: the installed engine lacks what it reads "
+            "(see guardrails.attach_error; guardrails check names each field)"
+            if off
+            else "the engine runs a path this site is not on: it guards "
             "nothing there. Check the profile against the runner this engine "
             "picked (guardrails check; docs/runbook.md)",
         },

@@ -270,3 +270,84 @@ def test_tracing_set_with_no_loader_here_is_a_warning(
     assert f"loader        warning  {LP}:LogitsProcessor.no_such_loader -> return: " in out
     assert "under guardrails run no model would be traced" in out
     assert "2 warnings" in out
+
+
+# -- engine versions: what a profile was verified against, points for other versions -------
+
+
+def _verified(tmp_path: Path, pinned: str) -> Path:
+    path = tmp_path / "verified.toml"
+    path.write_text(f'verified_with = ["{pinned}"]\n', encoding="utf-8")
+    return path
+
+
+@pytest.mark.usefixtures("vllm_cpu")
+def test_an_engine_newer_than_the_profile_was_verified_against_is_a_warning_strict_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _verified(tmp_path, "vllm==0.31.0")
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    line = "vllm-cpu 0.32.0 is installed, newer than vllm 0.31.0, the newest this configuration"
+    assert f"verified      warning  {line}" in out
+    assert "1 warning" in out
+    assert main(["check", "--strict", "--config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert f"verified      error    {line}" in captured.out
+    assert f"guardrails check: error: {line}" in captured.err
+
+
+@pytest.mark.usefixtures("vllm_cpu")
+@pytest.mark.parametrize("pinned", ["vllm==0.32.0", "vllm==0.33.0", "sglang==0.5.23"])
+def test_the_verified_version_or_an_older_one_or_an_engine_not_here_says_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], pinned: str
+) -> None:
+    assert main(["check", "--strict", "--config", str(_verified(tmp_path, pinned))]) == 0
+    out = capsys.readouterr().out
+    assert f"verified      {pinned}" in out
+    assert "newer than" not in out
+
+
+@pytest.mark.parametrize("value", ["vllm>=0.34", "vllm", "vllm==0.34.*", "vllm==1,vllm==2"])
+def test_verified_with_takes_one_exact_version_per_engine(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from guardrails import ConfigError, GuardSettings
+
+    monkeypatch.setenv("GUARDRAILS_VERIFIED_WITH", value)
+    with pytest.raises(ConfigError, match="GUARDRAILS_VERIFIED_WITH"):
+        GuardSettings()
+
+
+@pytest.mark.usefixtures("vllm_cpu")
+def test_a_site_whose_every_point_is_for_other_versions_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stale profile (V1 points only, on a vLLM without V1) would guard nothing here."""
+    old = entry("vllm.v1.sample.sampler:Sampler.forward", "arg:logits") + 'when = "vllm<0.32"\n'
+    spec = old.replace("sampler.logits", "eagle.verify")
+    path = config(tmp_path, old, spec)
+    assert main(["check", "--config", str(path)]) == 1
+    captured = capsys.readouterr()
+    message = "site sampler.logits: every attach point is for other versions of the engine here"
+    assert f"site          error    {message}, so nothing guards it" in captured.out
+    assert message in captured.err
+    # A site only some steps call (eagle.*) is named, not an error.
+    assert "site          skipped  site eagle.verify: every attach point" in captured.out
+    assert "eagle.verify: every" not in captured.err
+
+
+@pytest.mark.usefixtures("vllm_cpu")
+def test_the_start_up_event_warns_of_an_engine_newer_than_verified() -> None:
+    from prometheus_client import CollectorRegistry
+    from structlog.testing import capture_logs
+
+    from guardrails import GuardSettings, Guardrails
+    from guardrails.names import STARTED_EVENT
+
+    settings = GuardSettings(environ={}, verified_with=("vllm==0.31.0",))
+    with capture_logs() as logs, Guardrails(settings, registry=CollectorRegistry()):
+        pass
+    [started] = [e for e in logs if e["event"] == STARTED_EVENT]
+    assert started["log_level"] == "warning"
+    assert any("newer than vllm 0.31.0" in w for w in started["warnings"])
