@@ -342,7 +342,7 @@ def test_the_start_up_event_warns_of_an_engine_newer_than_verified() -> None:
     from prometheus_client import CollectorRegistry
     from structlog.testing import capture_logs
 
-    from guardrails import GuardSettings, Guardrails
+    from guardrails import Guardrails, GuardSettings
     from guardrails.names import STARTED_EVENT
 
     settings = GuardSettings(environ={}, verified_with=("vllm==0.31.0",))

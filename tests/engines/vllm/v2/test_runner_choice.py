@@ -32,7 +32,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 V034 = bool(requirement_holds("vllm>=0.34"))
 before_034 = pytest.mark.skipif(V034, reason="vLLM 0.34.0 removed the V1 runner and this choice")
-from_034 = pytest.mark.skipif(not V034, reason="the choice vLLM 0.34.0 makes: V2 only, or its standalone CPU runner")
+from_034 = pytest.mark.skipif(
+    not V034, reason="the choice vLLM 0.34.0 makes: V2 only, or its standalone CPU runner"
+)
 
 
 @pytest.fixture
