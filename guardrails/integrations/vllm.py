@@ -124,7 +124,7 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
         part(
             RUNNER_V2_MODULE,
             RUNNER_V2_TARGET,
-            _RunnerV2Half(guards),
+            _RunnerV2Half(guards, RUNNER_V2_TARGET),
             expect_calls=True,
             when=V2,
             reads=_runner_v2_reads(RUNNER_V2_MODULE, RUNNER_V2_TARGET, _V2_TYPES),
@@ -132,7 +132,7 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
         part(
             RUNNER_CPU_MODULE,
             RUNNER_CPU_TARGET,
-            _RunnerV2Half(guards),
+            _RunnerV2Half(guards, RUNNER_CPU_TARGET),
             expect_calls=True,
             when="vllm>=0.34",
             reads=_runner_v2_reads(RUNNER_CPU_MODULE, RUNNER_CPU_TARGET, _CPU_TYPES),
@@ -301,9 +301,9 @@ class _RunnerV2Half:
     """Model Runner V2 worker side: fold this step's abort rows into the sampler output's
     per-request NaN counts, which V2 carries to the scheduler itself."""
 
-    def __init__(self, guards: Guardrails) -> None:
+    def __init__(self, guards: Guardrails, target: str = RUNNER_V2_TARGET) -> None:
         self._guards = guards
-        self._failed = PartFailures(HOOK, RUNNER_V2_TARGET, guards)
+        self._failed = PartFailures(HOOK, target, guards)
 
     def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:

@@ -9,6 +9,7 @@ tests, as vLLM's InputBatch and model runner build them.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -172,7 +173,9 @@ def runner_states(v2_imported: bool) -> dict[str, str]:
     v034 = bool(requirement_holds("vllm>=0.34"))
     v1 = "inapplicable" if v034 else ("pending" if v2_imported else "applied")
     v2 = "applied" if v2_imported else "pending"
-    standalone = "pending" if v034 else "inapplicable"
+    # Applied once a test of this process imported it (test_standalone_cpu.py).
+    imported = "vllm.v1.worker.cpu.standalone_model_runner" in sys.modules
+    standalone = ("applied" if imported else "pending") if v034 else "inapplicable"
     return {
         "GPUModelRunner.sample": v2,
         "StandaloneCPUModelRunner.sample": standalone,

@@ -483,11 +483,6 @@ def test_a_failure_of_the_runner_half_leaves_the_step_as_if_unhooked(  # type: i
     assert "a bug in guardrails" in caplog.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="guardrails bug: the standalone runner's half is built as _RunnerV2Half, whose "
-    "PartFailures names RUNNER_V2_TARGET (GPUModelRunner.sample) whichever runner it wraps",
-)
 def test_a_failure_of_the_runner_half_names_the_standalone_runners_method(  # type: ignore[no-untyped-def]
     tmp_path, monkeypatch, caplog
 ) -> None:
