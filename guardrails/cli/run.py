@@ -4,8 +4,9 @@ and in every Python process it starts.
 The settings COMMAND will read are validated first; a bad value (or a GUARDRAILS_METRICS_PORT
 that cannot be served) exits 2 with the message and nothing is started. Then the tree's keeper
 starts (`guardrails.integrations.tree_keeper`) and this process becomes COMMAND (exec): its
-exit status and signals are COMMAND's own. 127: command not found; 126: not executable; the
-keeper is gone before either returns.
+exit status and signals are COMMAND's own. 127: command not found; 126: found but not
+executable (permission, exec format, a path through a file), in one line as a shell says it;
+the keeper is gone before either returns.
 """
 
 from __future__ import annotations
@@ -54,4 +55,7 @@ def run(args: argparse.Namespace) -> int:
             return 127
         except PermissionError:
             print(f"guardrails run: {argv[0]}: permission denied", file=sys.stderr)
+            return 126
+        except OSError as exc:  # Exec format error, Not a directory, ...: as a shell says
+            print(f"guardrails run: {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
             return 126

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -34,11 +35,13 @@ PER_SECOND: Final = 20
 
 
 class _Window:
-    __slots__ = ("logged", "start", "suppressed")
+    """A hook's last `PER_SECOND` logged events' times: one more may go when the oldest of
+    them is a second old (a sliding window: no span of a second holds more)."""
+
+    __slots__ = ("logged", "suppressed")
 
     def __init__(self) -> None:
-        self.start = -float("inf")
-        self.logged = 0
+        self.logged: deque[float] = deque(maxlen=PER_SECOND)
         self.suppressed = 0
 
 
@@ -91,12 +94,11 @@ class RequestAborts(ErrorRecorder):
             if window is None:
                 window = self._windows[hook] = _Window()
             now = self._clock()
-            if now - window.start >= 1.0:
-                window.start, window.logged = now, 0
-            if window.logged >= PER_SECOND:
+            logged = window.logged
+            if len(logged) == PER_SECOND and now - logged[0] < 1.0:
                 window.suppressed += 1
                 return
-            window.logged += 1
+            logged.append(now)
             suppressed, window.suppressed = window.suppressed, 0
         try:
             rank = self.rank

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 RUN = [sys.executable, "-m", "guardrails", "run"]
 PY = sys.executable
 
@@ -59,6 +61,21 @@ def test_a_missing_command_exits_127() -> None:
     proc = launch("guardrails-no-such-command")
     assert proc.returncode == 127
     assert "command not found" in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["no shebang", "through a file"])
+def test_a_command_the_kernel_cannot_execute_exits_126_with_one_line(
+    tmp_path: Path, case: str
+) -> None:
+    """As a shell does (env too): not a traceback and status 1."""
+    script = tmp_path / "script"
+    script.write_bytes(b"\x00\x01 not a program\n")
+    script.chmod(0o755)
+    command = str(script) if case == "no shebang" else f"{script}/x"
+    proc = launch(command)
+    assert proc.returncode == 126
+    why = "Exec format error" if case == "no shebang" else "Not a directory"
+    assert proc.stderr.strip().splitlines() == [f"guardrails run: {command}: {why}"]
 
 
 def test_guardrails_is_installed_in_the_command_and_its_python_children() -> None:

@@ -100,6 +100,33 @@ def test_a_storm_is_throttled_per_second_and_the_count_stays_exact() -> None:
     assert aborted(registry) == PER_SECOND + 7
 
 
+def test_no_one_second_span_logs_more_than_per_second_events_across_a_window_edge() -> None:
+    """Windows that start at an event let 2 x PER_SECOND through within 0.05 s (PER_SECOND just
+    before a window's end, PER_SECOND just after); every span of one second holds at most
+    PER_SECOND events."""
+    clock = Clock()
+    aborts = RequestAborts(CollectorRegistry(), clock=clock)
+    times = []
+    with capture_logs() as logs:
+        end(aborts, "first")
+        times.append(clock.now)
+        clock.now += 0.9805
+        for i in range(2 * PER_SECOND):
+            clock.now += 0.001
+            before = len(events(logs))
+            end(aborts, f"r{i}")
+            if len(events(logs)) > before:
+                times.append(clock.now)
+        clock.now += 1.0  # a second after the last logged one: the next goes, with the rest
+        end(aborts, "later")
+    for i, start in enumerate(times):
+        assert sum(1 for t in times[i:] if t - start < 1.0) <= PER_SECOND
+    # "first" and 19 before its second ends, then one as "first" ages out; the rest held.
+    assert len(times) == PER_SECOND + 1
+    [later] = [e for e in events(logs) if e["request_id"] == "later"]
+    assert later["suppressed"] == PER_SECOND
+
+
 def test_each_hook_has_its_own_window() -> None:
     clock = Clock()
     aborts = RequestAborts(CollectorRegistry(), clock=clock)
