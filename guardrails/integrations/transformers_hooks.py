@@ -16,9 +16,9 @@ for its module's import (nothing here imports transformers):
   `sampler.logits` call inside it); `StopCheck.__call__`, which hands each step's tokens to the
   streamer, raises `PoisonedRequestError` from `generate()` before the token is streamed, once
   the host has the tokens (transformers' own wait of that step: no synchronisation is added).
-  Under `transformers serve` that error is an HTTP exception: a non-streaming request gets
-  HTTP 500 with the JSON body `{"detail": MESSAGE}`, a stream an SSE `data: {"error": MESSAGE}`
-  event and nothing after it. A direct `generate()` caller gets the exception for the whole
+  Under `transformers serve` a non-streaming request gets HTTP 500 with the JSON body
+  `{"detail": MESSAGE}`, a stream an SSE `data: {"error": MESSAGE}` event and nothing after
+  it (see the serve layer below). A direct `generate()` caller gets the exception for the whole
   call (transformers' `generate` has no per-row error; `GuardLogitsProcessor(abort_on=...)`
   ends rows with EOS instead).
 - continuous batching (`transformers serve --continuous-batching`, `generate_batch`):
@@ -38,17 +38,25 @@ for its module's import (nothing here imports transformers):
   chunk without a logits row (ended at once: not counted by the site). `update_batch` then
   fails each with transformers' own `_handle_request_error` (status FAILED, `error` = MESSAGE),
   frees its KV blocks out of the prefix cache (`no_cache=True`) and removes it from the
-  scheduler: the batching worker carries on with the others. A stream gets the
-  `data: {"error": MESSAGE}` event; for a non-streaming request
-  `CBGenerateManager.generate_non_streaming` turns transformers' `RuntimeError` for it into the
-  same HTTP 500 with a JSON body. The host reads the rows after transformers' own wait for the
-  step's outputs (`retrieve_device_outputs`, or the async IO pair's event).
+  scheduler: the batching worker carries on with the others. The host reads the rows after
+  transformers' own wait for the step's outputs (`retrieve_device_outputs`, or the async IO
+  pair's event).
+- the serve layer, by version (`when` gates each half):
+  - before 5.25 (one process): the plain error is an HTTP exception already; for continuous
+    batching's non-streaming request `CBGenerateManager.generate_non_streaming` turns
+    transformers' `RuntimeError` into it. The id: the `request_id` that
+    `GenerateManager.generate_streaming` / `generate_non_streaming` receive, carried into the
+    job `InferenceThread.submit` / `async_submit` hands to the inference thread.
+  - from 5.25 (the model in a process of its own): an error crosses back to the API server as
+    `RuntimeError` text; `EngineClient._send_request` raises it as ours again. The id: the one
+    the chat, completions and responses handlers receive (`handle_request`), carried with the
+    request's generation kwargs to the model's process, where `GenerateRunner.generate` runs
+    the request's generate() job with it and `CBGenerateRunner.generate` maps the batch's id
+    for the request to it.
 
 Each ended request is counted and logged once (`guardrails.reporting.request_aborts`) with the
-id transformers serve gave it: in continuous batching the request's own; in plain serve the
-`request_id` that `GenerateManager.generate_streaming` / `generate_non_streaming` receive, set
-in a context variable there and carried into the job `InferenceThread.submit` / `async_submit`
-hands to the inference thread (where `generate()` runs); a bare `generate()` has none (None).
+id transformers serve's API server gave it (the client's X-Request-Id, or one it made up); a
+bare `generate()` has none (None), a bare `generate_batch` the batch's own.
 
 Any exception of ours is logged once per half and the engine's call goes on as if unhooked
 (the error raised on purpose excepted). Not covered: beam search and assisted decoding in
@@ -92,12 +100,28 @@ _IO_TARGET: Final = "ContinuousBatchingIOs.prepare_batch_update"
 _BATCH_MODULE: Final = "transformers.generation.continuous_batching.continuous_api"
 _BATCH_TARGET: Final = "ContinuousBatchProcessor.update_batch"
 _SERVE_MODULE: Final = "transformers.cli.serving.utils"
+# transformers serve before 5.25 generates in the server's own process (one inference thread,
+# or the batching worker); from 5.25 on, the model runs in a process of its own that the API
+# server's `EngineClient` sends each request to (both are guarded under `guardrails run`).
+_ONE_PROCESS: Final = "transformers<5.25.0.dev0"
+_MODEL_PROCESS: Final = "transformers>=5.25.0.dev0"
+# Before 5.25: continuous batching's non-streaming answer; plain serve's handlers, where the
+# request id is known, and where generate() is handed to the inference thread that runs it.
 _SERVE_TARGET: Final = "CBGenerateManager.generate_non_streaming"
-# Plain transformers serve: where the request id is known, and where generate() is handed to
-# the inference thread that runs it.
 _PLAIN_STREAM_TARGET: Final = "GenerateManager.generate_streaming"
 _PLAIN_TARGET: Final = "GenerateManager.generate_non_streaming"
 _SUBMIT_TARGETS: Final = ("InferenceThread.submit", "InferenceThread.async_submit")
+# From 5.25: the API server's handlers (request id known), what sends a request to the model's
+# process and hands its end back, and the model process's runners that take each request.
+_HANDLER_TARGETS: Final = (
+    ("transformers.cli.serving.chat_completion", "ChatCompletionHandler.handle_request"),
+    ("transformers.cli.serving.completion", "CompletionHandler.handle_request"),
+    ("transformers.cli.serving.response", "ResponseHandler.handle_request"),
+)
+_CLIENT_MODULE: Final = "transformers.cli.serving.model_manager"
+_CLIENT_TARGET: Final = "EngineClient._send_request"
+_RUNNER_PLAIN_TARGET: Final = "GenerateRunner.generate"
+_RUNNER_BATCH_TARGET: Final = "CBGenerateRunner.generate"
 _CACHE_MODULE: Final = "transformers.generation.continuous_batching.cache"
 _CACHE_TARGET: Final = "PagedAttentionCache.update"
 # Where a step's abort rows wait on the IO buffers its results are read from.
@@ -141,24 +165,37 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     enabled = guards.is_enabled(SITE) and bool(mask)
     rows = _StepRows(guards, mask)
     kv = _HealKV(guards)
-    batch = _BatchHalf(guards)
+    served = _ServedIds()
+    batch = _BatchHalf(guards, served)
     # Watched by the liveness self-check (a heartbeat every step of either mode): in each
     # group one half of each mode runs at every step, so the pair is judged on their sum.
-    halves: list[tuple[str, str, Any, bool | str]] = [
-        (_LOGITS_MODULE, _LOGITS_TARGET, _ProcessorsHalf(rows), "sampler"),
-        (_STOP_MODULE, _STOP_TARGET, _StopHalf(rows), "update"),
-        (_CACHE_MODULE, _CACHE_TARGET, kv, False),
-        (_RUNNER_MODULE, _RUNNER_TARGET, _SampleHalf(rows, kv), "sampler"),
-        (_IO_MODULE, _IO_TARGET, _UpdateFilterHalf(batch, guards), False),
-        (_BATCH_MODULE, _BATCH_TARGET, batch, "update"),
-        (_SERVE_MODULE, _SERVE_TARGET, _NonStreamingHalf(), False),
-        (_SERVE_MODULE, _PLAIN_STREAM_TARGET, _ServedIdHalf(), False),
-        (_SERVE_MODULE, _PLAIN_TARGET, _AsyncServedIdHalf(), False),
-        *((_SERVE_MODULE, target, _CarryIdHalf(), False) for target in _SUBMIT_TARGETS),
+    halves: list[tuple[str, str, Any, bool | str, str | None]] = [
+        (_LOGITS_MODULE, _LOGITS_TARGET, _ProcessorsHalf(rows), "sampler", None),
+        (_STOP_MODULE, _STOP_TARGET, _StopHalf(rows), "update", None),
+        (_CACHE_MODULE, _CACHE_TARGET, kv, False, None),
+        (_RUNNER_MODULE, _RUNNER_TARGET, _SampleHalf(rows, kv), "sampler", None),
+        (_IO_MODULE, _IO_TARGET, _UpdateFilterHalf(batch, guards), False, None),
+        (_BATCH_MODULE, _BATCH_TARGET, batch, "update", None),
+        # transformers serve before 5.25: one process.
+        (_SERVE_MODULE, _SERVE_TARGET, _NonStreamingHalf(), False, _ONE_PROCESS),
+        (_SERVE_MODULE, _PLAIN_STREAM_TARGET, _ServedIdHalf(4), False, _ONE_PROCESS),
+        (_SERVE_MODULE, _PLAIN_TARGET, _AsyncServedIdHalf(4), False, _ONE_PROCESS),
+        *(
+            (_SERVE_MODULE, target, _CarryIdHalf(), False, _ONE_PROCESS)
+            for target in _SUBMIT_TARGETS
+        ),
+        # transformers serve from 5.25: the API server's process, then the model's.
+        *(
+            (module, target, _AsyncServedIdHalf(1), False, _MODEL_PROCESS)
+            for module, target in _HANDLER_TARGETS
+        ),
+        (_CLIENT_MODULE, _CLIENT_TARGET, _EngineClientHalf(guards), False, _MODEL_PROCESS),
+        (_SERVE_MODULE, _RUNNER_PLAIN_TARGET, _RunnerIdHalf(guards), False, _MODEL_PROCESS),
+        (_SERVE_MODULE, _RUNNER_BATCH_TARGET, _RunnerIdHalf(guards, served), False, _MODEL_PROCESS),
     ]
     return [
-        MethodHook(guards, HOOK, module, target, half, enabled, expect_calls=expect)
-        for module, target, half, expect in halves
+        MethodHook(guards, HOOK, module, target, half, enabled, expect_calls=expect, when=when)
+        for module, target, half, expect, when in halves
     ]
 
 
@@ -256,14 +293,17 @@ class _StopHalf:
 
     def ended(self, streamer: Any) -> PoisonedRequestError:
         """The error that ends this `generate()` call, its request counted and named: by the
-        id a streamer carries or transformers serve handed to this thread (`_ServedIdHalf`),
-        else None (a bare `generate()` has none)."""
-        request_id = getattr(streamer, "request_id", None)
+        id transformers serve handed to this thread with the job (`_SERVED_ID`), else the id
+        a streamer carries (from 5.25 on, serve's streamer carries its model process's own
+        number, not the server's id), else None (a bare `generate()` has none)."""
+        request_id = _SERVED_ID.get()
+        if request_id is None:
+            request_id = getattr(streamer, "request_id", None)
         self._aborts.record(
             HOOK,
             site=SITE,
             reason="nonfinite_logits",
-            request_id=_SERVED_ID.get() if request_id is None else request_id,
+            request_id=request_id,
             status=STATUS if sys.modules.get("starlette.exceptions") else None,
             finish_reason=None,
         )
@@ -366,9 +406,10 @@ class _SampleHalf:
 class _BatchHalf:
     """Continuous batching: around `update_batch`, fail the requests the update dropped."""
 
-    def __init__(self, guards: Guardrails) -> None:
+    def __init__(self, guards: Guardrails, served: _ServedIds) -> None:
         self._failed = PartFailures(HOOK, _BATCH_TARGET, guards)
         self._aborts = request_aborts(guards)
+        self._served = served
         self.local = threading.local()
 
     def __call__(self, wrapped: Any, processor: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -397,7 +438,7 @@ class _BatchHalf:
                 HOOK,
                 site=SITE,
                 reason=reason,
-                request_id=state.request_id,
+                request_id=self._served.get(state.request_id),
                 status=STATUS,
                 finish_reason=None,  # a stream gets an error event, no finish_reason
             )
@@ -463,7 +504,8 @@ class _UpdateFilterHalf:
 
 
 class _NonStreamingHalf:
-    """transformers serve, continuous batching, non-streaming: HTTP 500 with a JSON body."""
+    """transformers serve before 5.25, continuous batching, non-streaming: HTTP 500 with a
+    JSON body."""
 
     async def __call__(self, wrapped: Any, manager: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
@@ -476,24 +518,24 @@ class _NonStreamingHalf:
             raise
 
 
-# The id of the request plain transformers serve is generating for, in the handler's context and
-# in the job it hands to its inference thread.
+# The id transformers serve's API server gave the request being handled (the client's
+# X-Request-Id, or one it made up): in the handler's context, in the job that generates for it
+# (before 5.25, on the server's inference thread; from 5.25 on, in the model's process).
 _SERVED_ID: contextvars.ContextVar[object] = contextvars.ContextVar(
     "guardrails_served_request_id", default=None
 )
 
 
-def _request_id_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
-    # (model, processor, inputs, gen_config, request_id, ...)
-    return kwargs["request_id"] if "request_id" in kwargs else args[4]
-
-
 class _ServedIdHalf:
-    """Plain transformers serve, streaming: the request id is this call's (sync) context's."""
+    """transformers serve, a sync handler: the request id (argument `position`, or keyword
+    `request_id`) is this call's context's."""
 
-    def __call__(self, wrapped: Any, manager: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    def __init__(self, position: int) -> None:
+        self._position = position
+
+    def __call__(self, wrapped: Any, owner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
-            token = _SERVED_ID.set(_request_id_argument(args, kwargs))
+            token = _SERVED_ID.set(_argument(args, kwargs, self._position, "request_id"))
         except Exception:  # an id we cannot find only leaves the event without one
             return wrapped(*args, **kwargs)
         try:
@@ -502,39 +544,175 @@ class _ServedIdHalf:
             _SERVED_ID.reset(token)
 
 
-class _AsyncServedIdHalf:
-    """Plain transformers serve, non-streaming: the request id is this coroutine's context's
-    (its task's own: concurrent requests never see each other's)."""
+class _AsyncServedIdHalf(_ServedIdHalf):
+    """transformers serve, an async handler: the request id is this coroutine's context's (its
+    task's own: concurrent requests never see each other's; a task it creates, as a stream's,
+    starts with a copy)."""
 
-    async def __call__(self, wrapped: Any, manager: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    async def __call__(self, wrapped: Any, owner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         try:
-            token = _SERVED_ID.set(_request_id_argument(args, kwargs))
+            token = _SERVED_ID.set(_argument(args, kwargs, self._position, "request_id"))
         except Exception:  # an id we cannot find only leaves the event without one
             return await wrapped(*args, **kwargs)
         try:
             return await wrapped(*args, **kwargs)
         finally:
             _SERVED_ID.reset(token)
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str) -> Any:
+    return kwargs[name] if name in kwargs else args[position]
+
+
+def _with_served_id(fn: Any, request_id: object) -> Any:
+    """`fn`, run with `_SERVED_ID` set to `request_id` (only that context variable: nothing
+    else of the caller's context), on whatever thread runs it."""
+
+    def job(*job_args: Any, **job_kwargs: Any) -> Any:
+        token = _SERVED_ID.set(request_id)
+        try:
+            return fn(*job_args, **job_kwargs)
+        finally:
+            _SERVED_ID.reset(token)
+
+    return job
 
 
 class _CarryIdHalf:
-    """transformers serve's inference thread runs each submitted job with the id of the request
-    that submitted it (only that context variable: nothing else of the handler's context)."""
+    """transformers serve before 5.25: its inference thread runs each submitted job with the
+    id of the request that submitted it."""
 
     def __call__(self, wrapped: Any, thread: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         request_id = _SERVED_ID.get()
         if request_id is None or not args:
             return wrapped(*args, **kwargs)
-        fn, rest = args[0], args[1:]
+        return wrapped(_with_served_id(args[0], request_id), *args[1:], **kwargs)
 
-        def job(*job_args: Any, **job_kwargs: Any) -> Any:
-            token = _SERVED_ID.set(request_id)
-            try:
-                return fn(*job_args, **job_kwargs)
-            finally:
-                _SERVED_ID.reset(token)
 
-        return wrapped(job, *rest, **kwargs)
+class _ServedKwargs(dict[str, Any]):
+    """transformers serve from 5.25: a request's generation kwargs on their way to the model's
+    process, with the id the API server gave the request (pickled with them; the model's process
+    reads it in `_RunnerIdHalf`, and anything else sees the dict it was)."""
+
+    def __init__(self, kwargs: dict[str, Any], request_id: object) -> None:
+        super().__init__(kwargs)
+        self.request_id = request_id
+
+
+class _EngineClientHalf:
+    """transformers serve from 5.25, the API server: `EngineClient._send_request(method, args,
+    streamer=None)` sends a request to the model's process and raises the error that failed it,
+    which crossed as text (`RuntimeError("ServedPoisonedRequestError: MESSAGE")` from plain
+    serve's runner, `RuntimeError("Continuous batching failed for the request: MESSAGE")` from
+    continuous batching's). A "generate" request carries the handler's request id
+    (`_ServedKwargs`); an error of ours is raised as ours again: a non-streaming request gets
+    HTTP 500 with the JSON body `{"detail": MESSAGE}`, a stream the error event with MESSAGE
+    (transformers sends `str(error)`)."""
+
+    def __init__(self, guards: Guardrails) -> None:
+        self._failed = PartFailures(HOOK, _CLIENT_TARGET, guards)
+
+    async def __call__(self, wrapped: Any, client: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        try:
+            args, kwargs = self._named(args, kwargs)
+        except Exception as exc:
+            self._failed(exc)
+        try:
+            return await wrapped(*args, **kwargs)
+        except RuntimeError as exc:
+            if MESSAGE in str(exc) and not isinstance(exc, PoisonedRequestError):
+                raise _error() from exc
+            raise
+
+    @staticmethod
+    def _named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
+        request_id = _SERVED_ID.get()
+        if request_id is None or _argument(args, kwargs, 0, "method") != "generate":
+            return args, kwargs
+        inputs, generation_kwargs, *rest = _argument(args, kwargs, 1, "args")
+        request = (inputs, _ServedKwargs(generation_kwargs, request_id), *rest)
+        if "args" in kwargs:
+            return args, {**kwargs, "args": request}
+        return (args[0], request, *args[2:]), kwargs
+
+
+class _ServedIds:
+    """transformers serve from 5.25, continuous batching in the model's process: the API
+    server's id of each request in the batch, by the batch's id for it (`str` of the runner's
+    number); an entry goes once its request left the runner (`active_requests`)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def name(self, runner: Any, request_id: object, served_id: object) -> None:
+        live = {str(key) for key in list(runner.active_requests)}
+        with self._lock:
+            for gone in [key for key in self._ids if key not in live]:
+                del self._ids[gone]
+            self._ids[str(request_id)] = served_id
+
+    def get(self, batch_id: str) -> object:
+        """The API server's id of the batch's request `batch_id`, else `batch_id` itself
+        (before 5.25, or a bare `generate_batch`, the batch's id is the only one)."""
+        with self._lock:
+            return self._ids.get(batch_id, batch_id)
+
+
+class _RunnerIdHalf:
+    """transformers serve from 5.25, the model's process: `GenerateRunner.generate(request_id,
+    inputs, generation_kwargs, stream)` (and `CBGenerateRunner`'s) takes a request whose kwargs
+    carry the API server's id for it (`_ServedKwargs`). Plain: the runner puts the request's
+    generate() job on its queue for its own thread, which runs it with that id (`_SERVED_ID`,
+    carried by the queue: `_carry_ids`). Continuous batching (`served` given): the batch's id
+    for the request maps to it."""
+
+    def __init__(self, guards: Guardrails, served: _ServedIds | None = None) -> None:
+        target = _RUNNER_PLAIN_TARGET if served is None else _RUNNER_BATCH_TARGET
+        self._failed = PartFailures(HOOK, target, guards)
+        self._served = served
+
+    def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        request_id = None
+        try:
+            generation_kwargs = _argument(args, kwargs, 2, "generation_kwargs")
+            if isinstance(generation_kwargs, _ServedKwargs):
+                request_id = generation_kwargs.request_id
+                if self._served is None:
+                    _carry_ids(runner.queue)
+                else:
+                    number = _argument(args, kwargs, 0, "request_id")
+                    self._served.name(runner, number, request_id)
+        except Exception as exc:
+            self._failed(exc)
+            request_id = None
+        if request_id is None:
+            return wrapped(*args, **kwargs)
+        token = _SERVED_ID.set(request_id)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _SERVED_ID.reset(token)
+
+
+def _carry_ids(queue: Any) -> None:
+    """From now on, a job put on this runner queue while `_SERVED_ID` is set runs with it: the
+    queue's `put` on this instance (once) wraps the job of `(request_id, job, args, stream)`.
+    Only the model process's request loop puts there (`generate`, `submit`), one at a time."""
+    if not isinstance(vars(queue).get("put"), _CarryingPut):
+        queue.put = _CarryingPut(queue.put)
+
+
+class _CarryingPut:
+    def __init__(self, put: Any) -> None:
+        self._put = put
+
+    def __call__(self, item: Any, *args: Any, **kwargs: Any) -> Any:
+        request_id = _SERVED_ID.get()
+        if request_id is not None and isinstance(item, tuple) and len(item) == 4:
+            number, job, job_args, stream = item
+            item = (number, _with_served_id(job, request_id), job_args, stream)
+        return self._put(item, *args, **kwargs)
 
 
 class _HealKV:
