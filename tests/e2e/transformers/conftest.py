@@ -12,7 +12,17 @@ from tests.e2e.transformers.serve import CB_ARGS, serving
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama.save(tmp_path_factory.mktemp("tiny-llama"))
+    from transformers import GenerationConfig
+
+    path = tiny_llama.save(tmp_path_factory.mktemp("tiny-llama"))
+    # From 5.25 on, continuous batching sets a request's sampling only through the processors
+    # the model's own generation config makes: with no top-k there, a temperature-0 request's
+    # top_k=1 is dropped and it samples. A top-k of the whole vocabulary filters nothing (the
+    # other modes and versions sample and decode as before) and makes that processor.
+    config = GenerationConfig.from_pretrained(path)
+    config.top_k = tiny_llama.VOCAB
+    config.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")

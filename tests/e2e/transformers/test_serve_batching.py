@@ -4,8 +4,9 @@ config/profiles/transformers-serve.toml, driven by the openai client over 127.0.
 Continuous batching samples in `ModelRunner._sample`, one worker thread for every request.
 Unguarded, the poisoned request's all-NaN row kills that worker for good (every later request
 gets 503), and in one batch its NaN reaches the requests batched with it through the shared
-attention call. The batching worker's sampling mode is set by the first request it serves,
-so greedy and sampling each get their own server.
+attention call. Before transformers 5.25 the batching worker's sampling mode is set by the
+first request it serves (from 5.25 on, each request's own), so greedy and sampling each get
+their own server.
 """
 
 from __future__ import annotations
