@@ -80,9 +80,11 @@ class Buffers:
         # Only now that both exist: an allocation that fails leaves the buffers as they were.
         if self.capacity and retired is not None:
             retired.append((self.flags, self.workspace))
+        # The views first, then the workspace: the site's short path reads them unlocked in
+        # the other order, so it gets the old workspace with old flags, or no view at all.
+        self.views: dict[int, torch.Tensor] = {}
         self.flags = flags
         self.workspace = ws
-        self.views: dict[int, torch.Tensor] = {}
         self.capacity = capacity
 
 

@@ -334,13 +334,18 @@ class LogitsSite(_SiteBase):
                 rows = -1
             home, clean = cpu
             buffers = home.buffers.get(get_ident()) if rows >= 0 else None
+            # Unlocked: the workspace before the flags, which `Buffers._allocate` (a reserve
+            # from another thread) replaces in the other order, so that the two always agree.
+            ws = buffers.workspace if buffers is not None else None
             if buffers is not None and (flags := buffers.views.get(rows)) is not None:
-                if clean(logits, rows, vocab, dtype, flags, buffers.workspace):
+                if clean(logits, rows, vocab, dtype, flags, ws):
                     with self._lock:
                         calls = self._calls = self._calls + 1
                         buffers.recent, buffers.recent_call = flags, calls
-                    if calls % self._every == 0:
-                        self._report(logits, home, due=True)
+                    # The first counted call can be a short one (the call before it raised,
+                    # under async_assert): it starts the poller, as on the full path.
+                    if calls % self._every == 0 or calls == 1:
+                        self._report(logits, home, due=calls % self._every == 0)
                     return flags
                 # Not proved clean (not finite, or float16 or a large batch, which the check
                 # leaves to the kernel): the full path guards without asking it again.

@@ -632,6 +632,31 @@ def test_clean_views_after_clean_calls_get_the_verdict_of_their_layout(
         assert site(x).tolist() == [int(RowFlag.NAN | RowFlag.NO_VALID_TOKEN)] * size[0]
 
 
+def test_a_reserve_between_the_short_paths_reads_never_returns_stale_flags() -> None:
+    """The short path reads a thread's flags and workspace without the site lock. A
+    `reserve()` from another thread between those two reads (here: run from inside the flags
+    look-up) re-allocates both; the call must not pair the last call's dirty flags with the
+    fresh workspace, which says they hold nothing (a clean batch came back flagged
+    NAN|NO_VALID_TOKEN, and a hook with abort_on = ["no_valid_token"] would end it)."""
+    from threading import get_ident
+
+    dirty = int(RowFlag.NAN | RowFlag.NO_VALID_TOKEN)
+    with fresh_guardrails() as guards:
+        site = guards.site("sampler.logits")
+        assert site(torch.zeros(4, 8)).tolist() == [0] * 4  # buffers and the view for 4 rows
+        assert site(torch.full((4, 8), math.nan)).tolist() == [dirty] * 4
+        buffers = site._cpu[0].buffers[get_ident()]  # type: ignore[index]
+
+        class ReserveDuringLookUp(dict):  # type: ignore[type-arg]
+            def get(self, key: Any, default: Any = None) -> Any:
+                found = super().get(key, default)
+                site.reserve(buffers.capacity * 4, "cpu")  # another thread, at this moment
+                return found
+
+        buffers.views = ReserveDuringLookUp(buffers.views)
+        assert site(torch.zeros(4, 8)).tolist() == [0] * 4
+
+
 def test_a_layout_seen_before_gets_the_same_verdict_and_no_other_layout_shares_it() -> None:
     """The overlap verdict is kept per (shape, strides) (engines guard the same view at every
     step): asked again, and after a same-shape layout with other strides, each keeps its own."""

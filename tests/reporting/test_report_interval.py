@@ -114,6 +114,26 @@ def test_an_idle_sites_counts_and_event_arrive_within_the_interval(
     assert events.named("guardrails.nonfinite_logits")[0]["nan_total"] == 9
 
 
+def test_a_nan_that_raised_under_async_assert_arrives_while_clean_calls_follow(
+    make: Callable[..., gr.Guardrails], registry: CollectorRegistry
+) -> None:
+    """On the CPU the first call's assert raises, so it is not counted as a call; every clean
+    call after it takes the short path. The NaN it counted still reaches the counter within
+    the interval (the short path starts the poller too)."""
+    site = make(async_assert=True).site(LOGITS)
+    with pytest.raises(RuntimeError):
+        site(dirty())
+    clean = torch.randn(4, 16)
+
+    def nan_values() -> float | None:
+        site(clean)
+        return registry.get_sample_value(
+            "guardrails_nonfinite_values_total", {"site": LOGITS, "kind": "nan", "rank": "0"}
+        )
+
+    assert eventually(nan_values, 3.0) == 3.0
+
+
 def test_without_the_poller_the_same_counts_wait_for_traffic(
     make: Callable[..., gr.Guardrails], registry: CollectorRegistry
 ) -> None:
