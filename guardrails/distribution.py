@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import re
 from typing import Final
+
+from packaging.utils import canonicalize_name
 
 __all__ = ["DISTRIBUTION", "IMPORT_NAME", "clash_advice", "other_owners"]
 
@@ -22,10 +23,6 @@ IMPORT_NAME: Final = "guardrails"
 # Checked by name at every start-up: a lookup costs well under a millisecond, where reading
 # every installed distribution's file list (`thorough`) costs about 0.1 s.
 KNOWN_CLASHES: Final = ("guardrails-ai",)
-
-
-def _normal(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @functools.cache
@@ -45,8 +42,8 @@ def other_owners(*, thorough: bool = False) -> tuple[str, ...]:
         found.add(dist.metadata["Name"] or name)
     if thorough:
         owners = importlib.metadata.packages_distributions().get(IMPORT_NAME, [])
-        found.update(owner for owner in owners if _normal(owner) != DISTRIBUTION)
-    return tuple(sorted(found, key=_normal))
+        found.update(owner for owner in owners if canonicalize_name(owner) != DISTRIBUTION)
+    return tuple(sorted(found, key=canonicalize_name))
 
 
 def clash_advice(owners: tuple[str, ...]) -> str:

@@ -114,6 +114,7 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     single-process executor: it is not watched (a worker of the multiprocess executor beats
     and never schedules)."""
     enabled = guards.is_enabled(SITE) and bool(guards.settings.site_settings(SITE).abort_flags)
+    raises = _vllm_raises_on_nans()  # read once: the engine's environment is set at start-up
     verify = _SpecMarks()
     freed = _FreedBlocks()
 
@@ -124,7 +125,7 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
         part(
             RUNNER_V2_MODULE,
             RUNNER_V2_TARGET,
-            _RunnerV2Half(guards, RUNNER_V2_TARGET),
+            _RunnerV2Half(guards, RUNNER_V2_TARGET, raises),
             expect_calls=True,
             when=V2,
             reads=_runner_v2_reads(RUNNER_V2_MODULE, RUNNER_V2_TARGET, _V2_TYPES),
@@ -132,7 +133,7 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
         part(
             RUNNER_CPU_MODULE,
             RUNNER_CPU_TARGET,
-            _RunnerV2Half(guards, RUNNER_CPU_TARGET),
+            _RunnerV2Half(guards, RUNNER_CPU_TARGET, raises),
             expect_calls=True,
             when="vllm>=0.34",
             reads=_runner_v2_reads(RUNNER_CPU_MODULE, RUNNER_CPU_TARGET, _CPU_TYPES),
@@ -140,7 +141,7 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
         part(
             RUNNER_MODULE,
             RUNNER_TARGET,
-            _RunnerHalf(guards, verify),
+            _RunnerHalf(guards, verify, raises),
             expect_calls=True,
             when=V1,
             reads=[calls(f"{RUNNER_MODULE}:{RUNNER_TARGET}")],
@@ -271,19 +272,19 @@ def _abort_marks(
     guards: Guardrails,
     flags: torch.Tensor,
     *,
-    checked_by_vllm: bool = False,
+    nan_rows_only: bool = False,
     site: str = SITE,
 ) -> torch.Tensor:
     """Rows whose flags intersect the site's abort_on, as a new bool tensor (enqueued now:
     the flags buffer is rewritten by the site's next call).
 
-    `checked_by_vllm`: the marks go into device NaN counts that vLLM itself checks under
-    VLLM_RAISE_ON_LOGIT_NANS=1 (V2, and V1 under async scheduling), and raises for. There
-    only rows that held NaN are marked, so vLLM raises where its own check would have found
+    `nan_rows_only`: the marks go into device NaN counts that vLLM itself checks, and raises
+    for, under VLLM_RAISE_ON_LOGIT_NANS=1 (V2, and V1 under async scheduling). There only rows
+    that held NaN are marked, so vLLM raises where its own check would have found
     NaN had guardrails not healed it first, never for a row that was all -inf (a grammar
     over-mask holds no NaN): in that mode such a row is healed and counted, not ended."""
     marks = flags.bitwise_and(guards.settings.site_settings(site).abort_flags).ne(0)
-    if checked_by_vllm and _vllm_raises_on_nans():
+    if nan_rows_only:
         marks.logical_and_(flags.bitwise_and(_NAN).ne(0))
     return marks
 
@@ -301,8 +302,13 @@ class _RunnerV2Half:
     """Model Runner V2 worker side: fold this step's abort rows into the sampler output's
     per-request NaN counts, which V2 carries to the scheduler itself."""
 
-    def __init__(self, guards: Guardrails, target: str = RUNNER_V2_TARGET) -> None:
+    def __init__(
+        self, guards: Guardrails, target: str = RUNNER_V2_TARGET, raises_on_nans: bool = False
+    ) -> None:
         self._guards = guards
+        # V2 hands its NaN counts to vLLM's own check: under VLLM_RAISE_ON_LOGIT_NANS only
+        # the rows that held NaN are marked (see _abort_marks).
+        self._nan_rows_only = raises_on_nans
         self._failed = PartFailures(HOOK, target, guards)
 
     def __call__(self, wrapped: Any, runner: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -348,7 +354,8 @@ class _RunnerV2Half:
                 "batch-sharded sampling (enable_batch_sharded_sampling) is not supported: "
                 "poisoned requests are healed and counted, not ended"
             )
-        marks = _abort_marks(self._guards, found[1], checked_by_vllm=True).to(torch.int32)
+        marks = _abort_marks(self._guards, found[1], nan_rows_only=self._nan_rows_only)
+        marks = marks.to(torch.int32)
         output = result[0]
         num_reqs = int(input_batch.num_reqs)
         nans = output.num_nans
@@ -383,11 +390,11 @@ class _SpecMarks(threading.local):
     def __init__(self) -> None:
         self.marks: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def take(self, *, checked_by_vllm: bool) -> torch.Tensor | None:
+    def take(self, *, nan_rows_only: bool) -> torch.Tensor | None:
         marks, self.marks = self.marks, None
         if marks is None:
             return None
-        return marks[1] if checked_by_vllm and _vllm_raises_on_nans() else marks[0]
+        return marks[1] if nan_rows_only else marks[0]
 
 
 class _VerifyHalf:
@@ -434,8 +441,11 @@ class _VerifyHalf:
 class _RunnerHalf:
     """V1 model runner worker side: report this step's abort rows in its NaN counts."""
 
-    def __init__(self, guards: Guardrails, spec: _SpecMarks | None = None) -> None:
+    def __init__(
+        self, guards: Guardrails, spec: _SpecMarks | None = None, raises_on_nans: bool = False
+    ) -> None:
         self._guards = guards
+        self._raises_on_nans = raises_on_nans
         self._spec = spec or _SpecMarks()
         self._failed = PartFailures(HOOK, RUNNER_TARGET, guards)
         self._local = threading.local()  # per model-runner thread: calls seen, host mirror
@@ -462,7 +472,8 @@ class _RunnerHalf:
         found = site.recent() if site.enabled and mask else None
         # Async scheduling runs the next step's sampler before this step's output is read.
         checked = bool(getattr(runner, "use_async_scheduling", False))
-        verified = self._spec.take(checked_by_vllm=checked)  # a speculative step's, per request
+        nan_rows_only = checked and self._raises_on_nans
+        verified = self._spec.take(nan_rows_only=nan_rows_only)  # a speculative step's
         if found is None or found[0] == getattr(local, "seen", -1):
             return None, None  # no sampler call since the last step (pooling, a dummy run)
         local.seen, flags = found
@@ -474,7 +485,7 @@ class _RunnerHalf:
                 return None, None  # a clean step: no row is flagged at all
             rows = [bool(flag & mask) for flag in values]
             return (flags, rows) if any(rows) else (None, None)
-        marks = _abort_marks(self._guards, flags, checked_by_vllm=checked)
+        marks = _abort_marks(self._guards, flags, nan_rows_only=nan_rows_only)
         marks = self._with_verified(marks, verified)
         if checked:
             return marks, None
