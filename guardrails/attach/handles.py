@@ -8,6 +8,7 @@ removed) or a `Handle` for a forward hook or a patched attribute.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -74,7 +75,10 @@ class Handle(Removable):
 
 
 class GuardedFunction(Removable):
-    """A function whose returned logits are guarded in place; `.remove()` stops guarding."""
+    """A function whose returned logits are guarded in place; `.remove()` stops guarding.
+
+    An `async def` stays one: the call returns a coroutine, whose result is guarded once it is
+    awaited, and `inspect.iscoroutinefunction` says so."""
 
     def __init__(
         self,
@@ -88,18 +92,33 @@ class GuardedFunction(Removable):
         self.site = site
         self._select = select or logits_of
         self.active = True
+        self._async = inspect.iscoroutinefunction(func)
+        if self._async:
+            # Function-like to `inspect` with the wrapped code (its CO_COROUTINE flag), so that
+            # a caller asking whether to await it (an event loop, a web framework) is told yes.
+            self.__code__ = func.__code__
+            self.__defaults__ = getattr(func, "__defaults__", None)
+            self.__kwdefaults__ = getattr(func, "__kwdefaults__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._async:
+            return self._guarded_await(*args, **kwargs)
         result = self.__wrapped__(*args, **kwargs)
         if self.active:
             self.site(self._select(result))
         return result
 
+    async def _guarded_await(self, *args: Any, **kwargs: Any) -> Any:
+        result = await self.__wrapped__(*args, **kwargs)
+        if self.active:
+            self.site(self._select(result))
+        return result
+
     def __get__(self, instance: object, owner: type | None = None) -> Any:
-        # Decorating a method: bind like a function would.
+        # Decorating a method: bind like a function would (a coroutine function stays one).
         if instance is None:
             return self
-        return functools.partial(self.__call__, instance)
+        return functools.partial(self._guarded_await if self._async else self.__call__, instance)
 
     def remove(self) -> None:
         self.active = False

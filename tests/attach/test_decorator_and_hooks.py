@@ -77,3 +77,28 @@ def test_module_hook_with_select(guards: gr.Guardrails) -> None:
     model = Model()
     guards.attach_module(model, "model.logits", select=lambda out: out[1])
     assert bool((model(torch.full((1, 3), math.nan))[1] == 0).all())
+
+
+def test_decorator_guards_what_an_async_function_returns(guards: gr.Guardrails) -> None:
+    """An `async def` (an async engine's sampler step): the call returns a coroutine, and the
+    logits are guarded once it is awaited, as a config attach point on the same function
+    does (it raised "cannot find logits in a coroutine" and left the coroutine unawaited)."""
+    import asyncio
+    import inspect
+
+    class Sampler:
+        @guards.guard_output("sampler.logits")
+        async def step(self, value: float) -> torch.Tensor:
+            await asyncio.sleep(0)
+            return torch.tensor([[0.5, value, 1.0]])
+
+    sampler = Sampler()
+    pending = sampler.step(math.nan)
+    assert inspect.iscoroutine(pending)
+    out = asyncio.run(pending)
+    assert float(out[0, 1]) == -math.inf
+    assert guards.count("sampler.logits", "nan") == 1
+    assert inspect.iscoroutinefunction(Sampler.step)
+    assert inspect.iscoroutinefunction(sampler.step)
+    Sampler.step.remove()  # type: ignore[attr-defined]
+    assert math.isnan(float(asyncio.run(sampler.step(math.nan))[0, 1]))
