@@ -163,6 +163,21 @@ def profile_settings(profile: Path = PROFILE, **overrides: object) -> gr.GuardSe
     return gr.GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(profile)}, **overrides)
 
 
+def fault_row(fault: str) -> torch.Tensor:
+    """One request's logits row for the V2 suites: seeded random logits with `fault`
+    ("all-NaN row", "all -inf row" or "NaN entries": only `NAN_IDS`, healable)."""
+    row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(5)) * 3
+    if fault == "all-NaN row":
+        row[:] = float("nan")
+    elif fault == "all -inf row":
+        row[:] = float("-inf")
+    elif fault == "NaN entries":
+        row[NAN_IDS] = float("nan")
+    else:
+        raise ValueError(f"unknown fault {fault!r}")
+    return row
+
+
 def runner_states(v2_imported: bool) -> dict[str, str]:
     """The states of `vllm.end_poisoned_requests`' parts in a process that imported one
     runner's module (V2's when `v2_imported`, else V1's) and the scheduler's, by target:

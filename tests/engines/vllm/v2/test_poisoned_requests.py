@@ -21,7 +21,7 @@ import torch
 
 from guardrails import Guardrails
 
-from ..faults import BLOCK_SIZE, NAN_IDS, VOCAB, guarded, runner_states
+from ..faults import BLOCK_SIZE, NAN_IDS, VOCAB, fault_row, guarded, runner_states
 from .runner import Engine, engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -50,17 +50,6 @@ def hooked() -> Iterator[Guardrails]:
         finally:
             for handle in handles:
                 handle.remove()
-
-
-def fault_row(fault: str) -> torch.Tensor:
-    row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(5)) * 3
-    if fault == "all-NaN row":
-        row[:] = float("nan")
-    elif fault == "all -inf row":
-        row[:] = float("-inf")
-    else:
-        row[NAN_IDS] = float("nan")
-    return row
 
 
 @pytest.mark.parametrize("compute_nans", [False, True], ids=["default", "COMPUTE_NANS"])

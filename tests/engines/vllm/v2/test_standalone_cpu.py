@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -48,8 +47,8 @@ import torch
 from guardrails import Guardrails
 from guardrails.settings.targets import requirement_holds
 
-from ..faults import BLOCK_SIZE, NAN_IDS, NUM_BLOCKS, VOCAB, guarded, vllm_config
-from .runner import DEVICE, BlockTablesStandIn, LogitsModel, Step, init_distributed
+from ..faults import BLOCK_SIZE, NAN_IDS, NUM_BLOCKS, VOCAB, fault_row, guarded, vllm_config
+from .runner import DEVICE, BlockTablesStandIn, Engine, LogitsModel, Step, init_distributed
 
 pytestmark = [
     pytest.mark.skipif(
@@ -135,26 +134,10 @@ class KVCacheStandIn:
         return [i for i in range(NUM_BLOCKS) if bool((flat[i] == 0).all())]
 
 
-@dataclass
-class Standalone:
+class Standalone(Engine):
     """The standalone CPU runner and the scheduler that feeds it, stepped as vLLM's engine
     core does with the CPU worker (schedule, execute_model, sample_tokens, update_from_output;
-    sync scheduling)."""
-
-    config: Any
-    runner: Any
-    scheduler: Any
-    block_hasher: Any
-
-    def add(self, req_id: str, prompt: list[int], **params: Any) -> None:
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request
-
-        params.setdefault("max_tokens", 8)
-        request = Request(
-            req_id, prompt, SamplingParams(**params), None, block_hasher=self.block_hasher
-        )
-        self.scheduler.add_request(request)
+    sync scheduling). Requests are added as for V2's runner (`Engine.add`)."""
 
     def step(self, logits: Mapping[str, torch.Tensor] | None = None) -> Step:
         """One engine step; `logits[req_id]` is the row the model produces for that request
@@ -235,17 +218,6 @@ def hooked() -> Iterator[Guardrails]:
         finally:
             for handle in handles:
                 handle.remove()
-
-
-def fault_row(fault: str) -> torch.Tensor:
-    row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(5)) * 3
-    if fault == "all-NaN row":
-        row[:] = float("nan")
-    elif fault == "all -inf row":
-        row[:] = float("-inf")
-    elif fault == "NaN entries":
-        row[NAN_IDS] = float("nan")
-    return row
 
 
 def clean_rows() -> dict[str, torch.Tensor]:
