@@ -25,7 +25,8 @@ newest() {  # the newest version of a distribution on the index pip is configure
 
 # A venv for ENGINE at VERSION; echoes its path. vLLM and SGLang: the newest pinned list of
 # .ci/engines/ (--no-deps, as build.sh does) with the engine's line replaced. transformers:
-# guardrails with its dev extra and that transformers, resolved by pip against the pinned torch.
+# guardrails with its dev extra and that transformers with its serving extra (the serve
+# profile's parts import it), resolved by pip against the pinned torch.
 build() {
     local engine=$1 version=$2 venv=.engines/latest-$1-$2
     case "$engine" in
@@ -42,7 +43,7 @@ build() {
                     "$venv/bin/python" -m pip --disable-pip-version-check -q install \
                         -c .ci/constraints.txt torch numpy >&2 &&
                     "$venv/bin/python" -m pip --disable-pip-version-check -q install \
-                        -c .ci/constraints.txt -e ".[dev]" "transformers==$version" >&2 &&
+                        -c .ci/constraints.txt -e ".[dev]" "transformers[serving]==$version" >&2 &&
                     touch "$venv/.installed-stamp" || return 1
             fi
             ;;
