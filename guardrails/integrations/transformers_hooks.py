@@ -58,6 +58,11 @@ Each ended request is counted and logged once (`guardrails.reporting.request_abo
 id transformers serve's API server gave it (the client's X-Request-Id, or one it made up); a
 bare `generate()` has none (None), a bare `generate_batch` the batch's own.
 
+Each half declares what it reads from transformers beyond its method's name (its parameters,
+the members of transformers' objects: `guardrails.attach.expects`, after `end_poisoned_requests`):
+checked when its module is imported and by `guardrails check`; a half whose transformers lacks
+one is not applied (state "mismatch", reported once).
+
 Any exception of ours is logged once per half and the engine's call goes on as if unhooked
 (the error raised on purpose excepted). Not covered: beam search and assisted decoding in
 `generate()` (they do not call `StopCheck`), `DeferredStopCheck` (MPS), CUDA-graph replays in
@@ -69,10 +74,12 @@ from __future__ import annotations
 import contextvars
 import sys
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from guardrails.attach.expects import Expect, calls, reads
 from guardrails.integrations._hooks import MethodHook, PartFailures, request_aborts
 
 if TYPE_CHECKING:
@@ -169,34 +176,138 @@ def end_poisoned_requests(guards: Guardrails) -> list[MethodHook]:
     batch = _BatchHalf(guards, served)
     # Watched by the liveness self-check (a heartbeat every step of either mode): in each
     # group one half of each mode runs at every step, so the pair is judged on their sum.
-    halves: list[tuple[str, str, Any, bool | str, str | None]] = [
-        (_LOGITS_MODULE, _LOGITS_TARGET, _ProcessorsHalf(rows), "sampler", None),
-        (_STOP_MODULE, _STOP_TARGET, _StopHalf(rows), "update", None),
-        (_CACHE_MODULE, _CACHE_TARGET, kv, False, None),
-        (_RUNNER_MODULE, _RUNNER_TARGET, _SampleHalf(rows, kv), "sampler", None),
-        (_IO_MODULE, _IO_TARGET, _UpdateFilterHalf(batch, guards), False, None),
-        (_BATCH_MODULE, _BATCH_TARGET, batch, "update", None),
+    # The last column: what the half reads from transformers (below).
+    halves: list[tuple[str, str, Any, bool | str, str | None, Sequence[Expect]]] = [
+        (_LOGITS_MODULE, _LOGITS_TARGET, _ProcessorsHalf(rows), "sampler", None, _PROCESSORS),
+        (_STOP_MODULE, _STOP_TARGET, _StopHalf(rows), "update", None, _STOP),
+        (_CACHE_MODULE, _CACHE_TARGET, kv, False, None, _HEAL_KV),
+        (_RUNNER_MODULE, _RUNNER_TARGET, _SampleHalf(rows, kv), "sampler", None, _SAMPLE),
+        (_IO_MODULE, _IO_TARGET, _UpdateFilterHalf(batch, guards), False, None, _UPDATE_FILTER),
+        (_BATCH_MODULE, _BATCH_TARGET, batch, "update", None, _BATCH),
         # transformers serve before 5.25: one process.
-        (_SERVE_MODULE, _SERVE_TARGET, _NonStreamingHalf(), False, _ONE_PROCESS),
-        (_SERVE_MODULE, _PLAIN_STREAM_TARGET, _ServedIdHalf(4), False, _ONE_PROCESS),
-        (_SERVE_MODULE, _PLAIN_TARGET, _AsyncServedIdHalf(4), False, _ONE_PROCESS),
+        (_SERVE_MODULE, _SERVE_TARGET, _NonStreamingHalf(), False, _ONE_PROCESS, _CB_NON_STREAMING),
+        (_SERVE_MODULE, _PLAIN_STREAM_TARGET, _ServedIdHalf(4), False, _ONE_PROCESS, _STREAMING),
+        (_SERVE_MODULE, _PLAIN_TARGET, _AsyncServedIdHalf(4), False, _ONE_PROCESS, _NON_STREAMING),
         *(
-            (_SERVE_MODULE, target, _CarryIdHalf(), False, _ONE_PROCESS)
+            (_SERVE_MODULE, target, _CarryIdHalf(), False, _ONE_PROCESS, _submit(target))
             for target in _SUBMIT_TARGETS
         ),
         # transformers serve from 5.25: the API server's process, then the model's.
         *(
-            (module, target, _AsyncServedIdHalf(1), False, _MODEL_PROCESS)
+            (module, target, _AsyncServedIdHalf(1), False, _MODEL_PROCESS, _handler(module, target))
             for module, target in _HANDLER_TARGETS
         ),
-        (_CLIENT_MODULE, _CLIENT_TARGET, _EngineClientHalf(guards), False, _MODEL_PROCESS),
-        (_SERVE_MODULE, _RUNNER_PLAIN_TARGET, _RunnerIdHalf(guards), False, _MODEL_PROCESS),
-        (_SERVE_MODULE, _RUNNER_BATCH_TARGET, _RunnerIdHalf(guards, served), False, _MODEL_PROCESS),
+        (_CLIENT_MODULE, _CLIENT_TARGET, _EngineClientHalf(guards), False, _MODEL_PROCESS, _CLIENT),
+        (
+            _SERVE_MODULE,
+            _RUNNER_PLAIN_TARGET,
+            _RunnerIdHalf(guards),
+            False,
+            _MODEL_PROCESS,
+            _RUNNER,
+        ),
+        (
+            _SERVE_MODULE,
+            _RUNNER_BATCH_TARGET,
+            _RunnerIdHalf(guards, served),
+            False,
+            _MODEL_PROCESS,
+            _CB_RUNNER,
+        ),
     ]
     return [
-        MethodHook(guards, HOOK, module, target, half, enabled, expect_calls=expect, when=when)
-        for module, target, half, expect, when in halves
+        MethodHook(
+            guards, HOOK, module, target, half, enabled, expect_calls=expect, when=when, reads=read
+        )
+        for module, target, half, expect, when, read in halves
     ]
+
+
+# -- what the halves read from transformers (checked by `guardrails check` and before applying) --
+# Each part's method with the parameters its half takes by position or name (`calls`; none when
+# it only calls the method as it is), then what it reads on transformers' objects (`reads`). A
+# read through getattr() with a default is not declared, unless the half relies on it (writes
+# it back, or only works through it). The serve parts hold for their own versions (`when`).
+_CB: Final = "transformers.generation.continuous_batching"
+_REQUESTS: Final = f"{_CB}.requests"
+
+# generate(): the `sampler.logits` call inside is the attach point's; the half reads nothing.
+_PROCESSORS: Final = (calls(f"{_LOGITS_MODULE}:{_LOGITS_TARGET}"),)
+# generate(): StopCheck hands each step's tokens to its streamer's put(): swapped for a _Gate
+# for the step, which puts them on.
+_STOP: Final = (
+    reads(f"{_STOP_MODULE}:StopCheck", "streamer"),
+    reads("transformers.generation.streamers:BaseStreamer", "put"),
+)
+# Continuous batching, every attention layer: the new keys and values, the layer, and the
+# forward's attention kwargs (the IOs' `PagedAttentionArgs`) with the requests' query starts.
+_HEAL_KV: Final = (
+    calls(f"{_CACHE_MODULE}:{_CACHE_TARGET}", "key_states", "value_states", "layer_idx", "kwargs"),
+    reads(f"{_IO_MODULE}:PagedAttentionArgs", "cu_seq_lens_q"),
+)
+# The step's logits, and the IO buffers (the runner's, or the async pair's current ones): the
+# device's logits indices (row -> query position), the host's batch its results are read with.
+_SAMPLE: Final = (
+    calls(f"{_RUNNER_MODULE}:{_RUNNER_TARGET}", "scores"),
+    reads(f"{_RUNNER_MODULE}:ModelRunner", "inputs_and_outputs"),
+    reads(f"{_IO_MODULE}:ContinuousBatchingAsyncIOs", "io_pairs", "current_pair"),
+    reads(f"{_IO_MODULE}:HostDeviceIOPair", "device_io", "host_io"),
+    reads(f"{_IO_MODULE}:ContinuousBatchingIOs", "logits_indices", "requests_in_batch"),
+)
+# The batch update it returns filtered, (requests, tokens, logprobs): each request's tokens in
+# the step, whether it sampled one, its state and status.
+_UPDATE_FILTER: Final = (
+    calls(f"{_IO_MODULE}:{_IO_TARGET}"),
+    reads(f"{_REQUESTS}:FutureRequestState", "state", "query_length", "has_new_token"),
+    reads(f"{_REQUESTS}:RequestState", "status"),
+    reads(f"{_REQUESTS}:RequestStatus", "FINISHED", "FAILED", "PENDING"),
+)
+# Failing a dropped request as transformers' own error path does, its blocks freed uncached,
+# and the scheduler told.
+_BATCH: Final = (
+    reads(f"{_BATCH_MODULE}:ContinuousBatchProcessor", "scheduler", "cache"),
+    calls(f"{_BATCH_MODULE}:ContinuousBatchProcessor._handle_request_error", "error", "state"),
+    calls(f"{_CACHE_MODULE}:PagedAttentionCache.free_blocks", "request_id", "no_cache"),
+    calls(f"{_CB}.scheduler:Scheduler.finish_request", "request_id"),
+    reads(f"{_CB}.scheduler:Scheduler", "block_new_requests"),
+    reads(f"{_REQUESTS}:RequestState", "request_id"),
+)
+# Before 5.25: continuous batching's non-streaming answer; its RuntimeError is read as text.
+_CB_NON_STREAMING: Final = (calls(f"{_SERVE_MODULE}:{_SERVE_TARGET}"),)
+# Before 5.25, plain serve's `GenerateManager`: the request id at position 4 (`_ServedIdHalf(4)`).
+_MANAGER: Final = ("model", "processor", "inputs", "gen_config", "request_id")
+_STREAMING: Final = (calls(f"{_SERVE_MODULE}:{_PLAIN_STREAM_TARGET}", *_MANAGER),)
+_NON_STREAMING: Final = (calls(f"{_SERVE_MODULE}:{_PLAIN_TARGET}", *_MANAGER),)
+
+
+def _submit(target: str) -> tuple[Expect, ...]:
+    """Before 5.25, `InferenceThread`: the job first (`_CarryIdHalf` wraps args[0])."""
+    return (calls(f"{_SERVE_MODULE}:{target}", "fn"),)
+
+
+def _handler(module: str, target: str) -> tuple[Expect, ...]:
+    """From 5.25, the API server's handlers: the request id at position 1."""
+    return (calls(f"{module}:{target}", "body", "request_id"),)
+
+
+# From 5.25, the model process's runners take each request as `generate(request_id, inputs,
+# generation_kwargs, stream)`: what `EngineClient` sends for "generate" after the request's number
+# (its `args`, rebuilt by `_EngineClientHalf`), where `_RunnerIdHalf` reads the kwargs and id.
+_RUNNER_GENERATE: Final = ("request_id", "inputs", "generation_kwargs")
+_CLIENT: Final = (
+    calls(f"{_CLIENT_MODULE}:{_CLIENT_TARGET}", "method", "args"),
+    calls(f"{_SERVE_MODULE}:{_RUNNER_PLAIN_TARGET}", *_RUNNER_GENERATE),
+    calls(f"{_SERVE_MODULE}:{_RUNNER_BATCH_TARGET}", *_RUNNER_GENERATE),
+)
+# Plain: the queue its thread takes jobs from. Batching: its requests in flight, by number.
+_RUNNER: Final = (
+    calls(f"{_SERVE_MODULE}:{_RUNNER_PLAIN_TARGET}", *_RUNNER_GENERATE),
+    reads(f"{_SERVE_MODULE}:GenerateRunner", "queue"),
+)
+_CB_RUNNER: Final = (
+    calls(f"{_SERVE_MODULE}:{_RUNNER_BATCH_TARGET}", *_RUNNER_GENERATE),
+    reads(f"{_SERVE_MODULE}:CBGenerateRunner", "active_requests"),
+)
 
 
 class _StepRows:

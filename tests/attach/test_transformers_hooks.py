@@ -576,3 +576,58 @@ def test_from_5_25_the_api_server_sends_the_handlers_id_and_answers_an_ended_req
     [(method, number, inputs, kwargs)] = sent
     assert (method, number, inputs, kwargs) == ("generate", 7, {}, {"seed": None})
     assert kwargs.request_id == "x-525"
+
+
+# -- what each part declares it reads from transformers (guardrails.attach.expects) -----------
+
+
+def test_every_part_declares_what_it_reads_and_it_holds_on_the_installed_transformers(
+    registry: Any,
+) -> None:
+    """The parts of the installed transformers' version (their `when`), on its own classes: what
+    each reads beyond its method's name is there (what `guardrails check` reports, and what
+    decides whether a part is applied). The other version's parts: `guardrails check` there."""
+    from transformers.utils import is_serve_available
+
+    guards = Guardrails(
+        GuardSettings(environ={"GUARDRAILS_CONFIG_FILE": str(PROFILE)}), registry=registry
+    )
+    parts = end_poisoned_requests(guards)
+    assert [part.target for part in parts if not part.reads] == []
+    checked = []
+    for part in parts:
+        if part.when is not None and not requirement_holds(part.when):
+            continue
+        try:
+            problems = part.inspect()
+        except ImportError:
+            # serve's handler modules import the server packages (transformers[serving]).
+            if part.module.startswith("transformers.cli.serving.") and not is_serve_available():
+                continue
+            raise
+        assert problems == [], part
+        checked.append(part.target)
+    assert {part.target for part in parts if part.when is None} <= set(checked)
+    assert all(part.state == "pending" for part in parts)  # inspected, nothing wrapped
+
+
+def test_a_served_id_half_reads_the_position_its_part_declares_as_the_request_id(
+    registry: Any,
+) -> None:
+    """`_ServedIdHalf(position)` takes the request id at `position` when it is not passed by
+    name: the parameter its part declares there (both versions' parts, without importing)."""
+    from guardrails.integrations.transformers_hooks import _ServedIdHalf
+
+    parts = end_poisoned_requests(Guardrails(GuardSettings(environ={}), registry=registry))
+    named = {
+        part.target: part.reads[0].params[part._half._position]
+        for part in parts
+        if isinstance(part._half, _ServedIdHalf) and part.reads[0].params is not None
+    }
+    assert named == {
+        "GenerateManager.generate_streaming": "request_id",
+        "GenerateManager.generate_non_streaming": "request_id",
+        "ChatCompletionHandler.handle_request": "request_id",
+        "CompletionHandler.handle_request": "request_id",
+        "ResponseHandler.handle_request": "request_id",
+    }
