@@ -19,13 +19,15 @@ import functools
 import importlib
 import inspect
 import re
-from collections.abc import Iterable
+import types
+import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from guardrails.settings.targets import installed_distribution
+from guardrails.settings.targets import Ref, installed_distribution
 
-__all__ = ["Expect", "calls", "reads", "verify"]
+__all__ = ["Expect", "calls", "reads", "ref_problems", "verify"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,49 @@ def _verify_params(expect: Expect, method: Any) -> list[str]:
             f"first{_version(expect)}"
         ]
     return []
+
+
+def ref_problems(func: Callable[..., Any], receiver: int, ref: Ref) -> list[str]:
+    """What an attach point's reference reads past the call's own value (`return.
+    sampled_token_ids`, `arg:logits_output.next_token_logits`), checked against the annotation
+    of the value it starts from: [] when it holds, or when nothing can be told (no
+    annotation, one that does not resolve, not one class)."""
+    if not ref.attrs:
+        return []
+    try:
+        hints = typing.get_type_hints(func)
+        if ref.source == "return":
+            annotation = hints.get("return")
+            if ref.index is not None:
+                args = typing.get_args(annotation)
+                fixed = typing.get_origin(annotation) is tuple and Ellipsis not in args
+                annotation = args[ref.index] if fixed and ref.index < len(args) else None
+        else:
+            name = ref.name
+            if name is None and ref.index is not None:
+                params = list(inspect.signature(func).parameters.values())[receiver:]
+                name = params[ref.index].name if ref.index < len(params) else None
+            annotation = hints.get(name) if name is not None else None
+    except Exception:  # a forward reference only a type checker resolves, a bad signature
+        return []
+    owner = _class_of(annotation)
+    if owner is None or _has_member(owner, ref.attrs[0]):
+        return []
+    where = f"{owner.__module__}:{owner.__qualname__}"
+    found = installed_distribution(owner.__module__.partition(".")[0])
+    version = "" if found is None else f" ({found[0]} {found[1]})"
+    return [f"{ref}: {where} has no field or attribute {ref.attrs[0]!r}{version}"]
+
+
+def _class_of(annotation: Any) -> type | None:
+    """The one class an annotation names (`X`, `X | None`, `Optional[X]`), else None."""
+    if isinstance(annotation, type) and not typing.get_args(annotation):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) == 1 and isinstance(members[0], type):
+            return members[0]
+    return None
 
 
 def _has_member(cls: type, name: str) -> bool:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 
 from guardrails import _process
+from guardrails.attach.expects import ref_problems
 from guardrails.attach.handles import Handle, SiteCall
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved, namespace, reader, resolve, vocab_of
@@ -593,6 +594,12 @@ def inspect_point(point: AttachPoint) -> TargetReport:
             reader(point, point.vocab_size_from, resolved)
     except AttachError as exc:
         return TargetReport(point, "error", "; ".join(p.message for p in exc.problems))
+    # What the reference reads past the call's value, against the engine's annotations.
+    problems = ref_problems(resolved.func, resolved.receiver, point.tensor)
+    if point.vocab_size_from is not None:
+        problems += ref_problems(resolved.func, resolved.receiver, point.vocab_size_from)
+    if problems:
+        return TargetReport(point, "error", "; ".join(problems))
     return TargetReport(point, "ok")
 
 

@@ -189,3 +189,60 @@ def test_a_part_whose_engine_lacks_a_read_is_off_reported_once_and_never_called(
     assert "lacks what it reads" in silent["action"]
     assert [e for e in logs if e["event"] == "guardrails.hook_error"] == []
     assert part.inspect() == [f"{engine}:Output has no field or attribute 'req_id_to_index'"]
+
+
+# -- an attach point's reference past the call's own value ---------------------------------
+
+ANNOTATED = """
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class Output:
+    sampled_token_ids: list
+    logits: object = None
+
+
+class Sampler:
+    def __call__(self, logits: Output, other: "Optional[Output]" = None) -> Output:
+        return logits
+
+    def pair(self) -> tuple[Output, int]:
+        return Output([]), 1
+
+    def bare(self, logits):
+        return logits
+"""
+
+
+@pytest.mark.parametrize(
+    ("method", "ref", "problem"),
+    [
+        ("__call__", "return.sampled_token_ids", None),
+        ("__call__", "return.req_id_to_index", "return.req_id_to_index"),
+        ("__call__", "arg:logits.logits", None),
+        ("__call__", "arg:0.gone", "arg:0.gone"),
+        ("__call__", "arg:other.gone", "arg:other.gone"),  # Optional[Output]
+        ("pair", "return:0.logits", None),
+        ("pair", "return:0.gone", "return:0.gone"),
+        ("__call__", "return", None),  # nothing read past the value
+        ("bare", "return.anything", None),  # no annotation: nothing can be told
+    ],
+)
+def test_a_references_field_is_checked_against_the_annotation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, ref: str, problem: str | None
+) -> None:
+    import importlib
+
+    from guardrails.attach.expects import ref_problems
+    from guardrails.settings.targets import parse_ref
+
+    with module_on_path(ANNOTATED, "expects_annotated", tmp_path, monkeypatch) as name:
+        func = getattr(importlib.import_module(name).Sampler, method)
+        found = ref_problems(func, 1, parse_ref(ref))
+    if problem is None:
+        assert found == []
+    else:
+        attr = ref.rpartition(".")[2]
+        assert found == [f"{problem}: {name}:Output has no field or attribute {attr!r}"]

@@ -351,3 +351,23 @@ def test_the_start_up_event_warns_of_an_engine_newer_than_verified() -> None:
     [started] = [e for e in logs if e["event"] == STARTED_EVENT]
     assert started["log_level"] == "warning"
     assert any("newer than vllm 0.31.0" in w for w in started["warnings"])
+
+
+def test_an_attach_points_read_past_the_call_is_checked_against_the_annotations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tensor = "return.sampled_token_ids"` reads a field of what the target returns: a
+    field the annotated return type lacks (an engine release renamed it) is an error."""
+    source = (
+        "import dataclasses\n\n@dataclasses.dataclass\nclass Out:\n    ids: object = None\n\n"
+        "class Sampler:\n    def __call__(self, logits) -> Out:\n        return Out(logits)\n"
+    )
+    (tmp_path / "check_annotated_engine.py").write_text(source, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    target = "check_annotated_engine:Sampler.__call__"
+    path = config(tmp_path, entry(target, "return.ids"), entry(target, "return.sampled_ids"))
+    assert main(["check", "--config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert f"ok       sampler.logits <- {target} [return.ids]" in captured.out
+    message = "return.sampled_ids: check_annotated_engine:Out has no field or attribute"
+    assert message in captured.err
