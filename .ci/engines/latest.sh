@@ -33,7 +33,9 @@ build() {
         vllm | sglang)
             local base req=.engines/latest/$engine-$version.txt
             base=$(ls .ci/engines/"$engine"-*.txt | sort -V | tail -n1)
-            sed "s/^$engine==.*/$engine==$version/" "$base" >"$req"
+            # Rewritten only when it changes: build.sh rebuilds a venv older than its list.
+            sed "s/^$engine==.*/$engine==$version/" "$base" >"$req.new"
+            if cmp -s "$req.new" "$req"; then rm "$req.new"; else mv "$req.new" "$req"; fi
             bash .ci/engines/build.sh "$engine-$version" "$req" "$venv" >&2 || return 1
             ;;
         transformers)
