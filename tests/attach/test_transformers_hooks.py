@@ -526,6 +526,18 @@ def test_from_5_25_plain_serve_names_each_ended_request_by_the_id_it_was_sent_wi
     assert aborted(registry) == 3.0
 
 
+def _end_outputs_thread(runner: Any) -> None:
+    """transformers 5.25's `continuous-batching-outputs` thread keeps polling a stopped
+    manager, whose `get_result` then returns at once: a loop holding the GIL for the rest of
+    the test session (it slowed `make test`'s later modules several times over). The loop
+    returns once the manager reports a fatal error: report one, and wait for the thread."""
+    runner.manager.background_thread_status.fatal_error = RuntimeError("the test is over")
+    for thread in threading.enumerate():
+        if thread.name == "continuous-batching-outputs":
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+
+
 @model_process
 def test_from_5_25_batching_names_its_failed_request_by_the_id_it_was_sent_with(
     model: Any, profile: Guardrails, registry: Any
@@ -547,6 +559,7 @@ def test_from_5_25_batching_names_its_failed_request_by_the_id_it_was_sent_with(
             clean, failed = results.wait(5, 6)
     finally:
         runner.manager.stop(block=True)
+        _end_outputs_thread(runner)
     assert isinstance(failed, RuntimeError)
     assert str(failed).endswith(MESSAGE)
     assert len(clean) == NEW
