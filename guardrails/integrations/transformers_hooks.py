@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from guardrails import _process
 from guardrails.attach.expects import Expect, calls, reads
 from guardrails.integrations._hooks import MethodHook, PartFailures, request_aborts
 
@@ -754,7 +755,8 @@ class _ServedIds:
 
     def __init__(self) -> None:
         self._ids: dict[str, object] = {}
-        self._lock = threading.Lock()
+        # Re-made in a forked child, like every lock of guardrails (guardrails._process).
+        self._lock = _process.lock(self, "_lock")
 
     def name(self, runner: Any, request_id: object, served_id: object) -> None:
         live = {str(key) for key in list(runner.active_requests)}
