@@ -203,6 +203,8 @@ def test_clean_requests_sent_with_poisoned_ones_get_their_unguarded_text(
         in_thread(complete, guarded, POISONED[1], GREEDY),
         in_thread(stream_completion, guarded, POISONED[0], GREEDY),
     ]
+    # How far each clean request had decoded when the poisoned ones were sent.
+    decoded_at_send = [o.content_chunks for _, o in clean]
     join(*(thread for thread, _ in clean + poisoned))
     expected = [alone[("chat", text, LONG)] for text in CLEAN]
     expected += [alone[("completions", CLEAN[0], LONG)]]
@@ -211,12 +213,14 @@ def test_clean_requests_sent_with_poisoned_ones_get_their_unguarded_text(
     ]
     for (_, outcome), streamed in zip(poisoned, [False, True, False, True], strict=True):
         assert_aborted(outcome, streamed=streamed)
-    # They overlapped: every poisoned request was prefilled while clean ones were decoding
-    # (SGLang logs each prefill batch with the requests running beside it), and its next step
-    # was one of theirs.
+    # They shared the server: the poisoned requests were sent while every clean request had at
+    # least half of its tokens still to decode, and each was prefilled once (SGLang's prefill
+    # log). Not the running count SGLang logs with a prefill: with the tiny model decoding at
+    # ~1,100 tokens/s its log line can come after the clean requests ended, though the abort
+    # came first (two runs on an idle machine: prefills [1 with 0 running, 3 with 1]).
     prefills = PREFILL.findall(guarded.log.read_text(errors="replace")[mark:])
     assert sum(int(seqs) for seqs, _ in prefills) == len(poisoned), prefills
-    assert all(int(running) >= 1 for _, running in prefills), prefills
+    assert all(0 < n <= LONG // 2 for n in decoded_at_send), decoded_at_send
 
 
 def test_a_poisoned_requests_kv_stays_out_of_the_prefix_cache(
