@@ -74,7 +74,7 @@ from __future__ import annotations
 import contextvars
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -620,14 +620,20 @@ class _NonStreamingHalf:
     JSON body."""
 
     async def __call__(self, wrapped: Any, manager: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-        try:
-            return await wrapped(*args, **kwargs)
-        except RuntimeError as exc:
-            # transformers raises RuntimeError(f"CB generation failed for {id}: {error}"),
-            # a plain-text 500; the error it carries says whether the request was ours.
-            if MESSAGE in str(exc) and not isinstance(exc, PoisonedRequestError):
-                raise _error() from exc
-            raise
+        # transformers raises RuntimeError(f"CB generation failed for {id}: {error}"), a
+        # plain-text 500; the error it carries says whether the request was ours.
+        return await _as_ours(wrapped(*args, **kwargs))
+
+
+async def _as_ours(call: Awaitable[Any]) -> Any:
+    """Await transformers' `call`; a RuntimeError that carries our message as text (transformers
+    turned our error into its own) is raised as ours again, anything else as it came."""
+    try:
+        return await call
+    except RuntimeError as exc:
+        if MESSAGE in str(exc) and not isinstance(exc, PoisonedRequestError):
+            raise _error() from exc
+        raise
 
 
 # The id transformers serve's API server gave the request being handled (the client's
@@ -729,12 +735,7 @@ class _EngineClientHalf:
             args, kwargs = self._named(args, kwargs)
         except Exception as exc:
             self._failed(exc)
-        try:
-            return await wrapped(*args, **kwargs)
-        except RuntimeError as exc:
-            if MESSAGE in str(exc) and not isinstance(exc, PoisonedRequestError):
-                raise _error() from exc
-            raise
+        return await _as_ours(wrapped(*args, **kwargs))
 
     @staticmethod
     def _named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:

@@ -250,7 +250,6 @@ def engine(
     so that V2 verifies drafts with its RejectionSampler; with `async_scheduling`, vLLM's
     AsyncScheduler (the engine core then schedules a step before the previous one's output is
     in: `execute` and `update` apart)."""
-    from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from ..faults import block_hasher, scheduler
@@ -267,9 +266,18 @@ def engine(
             target_model_config=config.model_config,
             target_parallel_config=config.parallel_config,
         )
+    runner = loaded(GPUModelRunner, config, tmp)
+    yield Engine(config, runner, scheduler(config), block_hasher(config))
+
+
+def loaded(runner_class: Any, config: Any, tmp: Path) -> Any:
+    """A model runner of `runner_class` built from `config` with the LogitsModel stand-in
+    loaded and the BlockTables stand-in (the one-process groups made first)."""
+    from vllm.config import set_current_vllm_config
+
     init_distributed(config, tmp)
     with set_current_vllm_config(config):
-        runner = GPUModelRunner(config, DEVICE)
+        runner = runner_class(config, DEVICE)
         runner.load_model(model=LogitsModel())
     runner.block_tables = BlockTablesStandIn()
-    yield Engine(config, runner, scheduler(config), block_hasher(config))
+    return runner

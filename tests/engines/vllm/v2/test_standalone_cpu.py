@@ -48,7 +48,7 @@ from guardrails import Guardrails
 from guardrails.settings.targets import requirement_holds
 
 from ..faults import BLOCK_SIZE, NAN_IDS, NUM_BLOCKS, VOCAB, fault_row, guarded, vllm_config
-from .runner import DEVICE, BlockTablesStandIn, Engine, LogitsModel, Step, init_distributed
+from .runner import Engine, Step, loaded
 
 pytestmark = [
     pytest.mark.skipif(
@@ -184,18 +184,13 @@ class Standalone(Engine):
 def standalone(tmp: Path) -> Iterator[Standalone]:
     """A fresh standalone CPU runner (load_model with runner.py's model stand-in) and a
     scheduler over the same config."""
-    from vllm.config import set_current_vllm_config
     from vllm.v1.worker.cpu.standalone_model_runner import StandaloneCPUModelRunner
 
     from ..faults import block_hasher, scheduler
 
     tmp.mkdir(parents=True, exist_ok=True)
     config = vllm_config(tmp)
-    init_distributed(config, tmp)
-    with set_current_vllm_config(config):
-        runner = StandaloneCPUModelRunner(config, DEVICE)
-        runner.load_model(model=LogitsModel())
-    runner.block_tables = BlockTablesStandIn()
+    runner = loaded(StandaloneCPUModelRunner, config, tmp)
     yield Standalone(config, runner, scheduler(config), block_hasher(config))
 
 
