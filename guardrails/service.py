@@ -61,7 +61,9 @@ class Guardrails:
     step by a background poll, and at `flush()` / `close()`).
 
     `registry` is the prometheus-client `CollectorRegistry` to register counters in (default:
-    the global one); `clock` and `logger` exist for tests of the throttled log events.
+    the global one); `clock` and `logger` exist for tests of the throttled log events;
+    `installed_by` is what the start-up event says brought guardrails in ("library", or
+    "launcher" / "plugin:<engine>" from `guardrails.integrations`).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class Guardrails:
         registry: Any = None,
         clock: Callable[[], float] = time.monotonic,
         logger: Any = None,
+        installed_by: str = "library",
     ) -> None:
         self.settings = GuardSettings() if settings is None else settings
         self._reporter = Reporter(self.settings, registry=registry, clock=clock, logger=logger)
@@ -82,7 +85,7 @@ class Guardrails:
         # Dropped without close(): flush when collected, or at exit. A bound method of the
         # reporter, never of self, so that it does not keep this instance alive.
         self._finalizer = weakref.finalize(self, self._reporter.flush)
-        self._reporter.started(startup_warnings(self.settings))
+        self._reporter.started(startup_warnings(self.settings), installed_by)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Guardrails:
@@ -310,14 +313,15 @@ _default: Guardrails | None = None
 _default_lock = _process.module_lock(__name__, "_default_lock")
 
 
-def default() -> Guardrails:
-    """The process-wide instance, built from the environment on first use."""
+def default(*, installed_by: str = "library") -> Guardrails:
+    """The process-wide instance, built from the environment on first use (`installed_by`:
+    what its start-up event says brought guardrails in; see `Guardrails`)."""
     global _default
     instance = _default
     if instance is None:
         with _default_lock:
             if _default is None:
-                _default = Guardrails()
+                _default = Guardrails(installed_by=installed_by)
             instance = _default
     return instance
 

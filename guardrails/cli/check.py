@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         errors += _check_hooks(settings, strict=args.strict, warnings=warnings)
         errors += _check_abort_on(settings)
         errors += _check_verified(settings, strict=args.strict, warnings=warnings)
+    errors += _check_plugins(strict=args.strict, warnings=warnings)
     if points and not _has_wrapt():
         errors.append("wrapt is not importable: [[attach]] entries need it (pip install wrapt)")
     for error in errors:
@@ -383,6 +384,71 @@ def _check_verified(settings: GuardSettings, *, strict: bool, warnings: list[str
         else:
             _warn(warnings, "verified", line)
     return errors
+
+
+def _check_plugins(*, strict: bool, warnings: list[str]) -> list[str]:
+    """Whether each installed engine will load guardrails as its plugin in the processes it
+    starts: the entry point visible to this interpreter, resolving to this guardrails, and not
+    left out by the engine's allowlist. An installed engine that will not (a warning; an error
+    under --strict) runs unguarded when started plainly: only `guardrails run` guards it."""
+    from guardrails.integrations.plugin import ENTRY_NAME, ENTRY_POINTS
+    from guardrails.settings.targets import installed_distribution
+
+    errors: list[str] = []
+
+    def problem(text: str) -> None:
+        if strict:
+            print(f"  {'plugin':<13} error    {text}")
+            errors.append(text)
+        else:
+            _warn(warnings, "plugin", text)
+
+    for engine, (group, allow_var) in ENTRY_POINTS.items():
+        installed = installed_distribution(engine) is not None
+        entries = [
+            ep for ep in importlib.metadata.entry_points(group=group) if ep.name == ENTRY_NAME
+        ]
+        if not entries:
+            if installed:
+                problem(
+                    f"{engine} is installed but no {group} entry point named {ENTRY_NAME!r} is "
+                    f"visible to {sys.executable}: {engine} started plainly runs unguarded here "
+                    "(guardrails imported from a source tree, not installed? pip install "
+                    "guardrails-logits); `guardrails run` still installs it"
+                )
+            continue
+        entry = entries[0]
+        where = f"{group}:{ENTRY_NAME} -> {entry.value}"
+        try:
+            entry.load()
+        except Exception as exc:
+            text = f"{where} does not load ({type(exc).__name__}: {exc}): reinstall guardrails"
+            print(f"  {'plugin':<13} error    {text}")
+            errors.append(text)
+            continue
+        allowed = _allowlist(engine, os.environ.get(allow_var))
+        if allowed is not None and ENTRY_NAME not in allowed:
+            if installed:
+                problem(
+                    f"{allow_var}={os.environ.get(allow_var)!r} leaves guardrails out: {engine} "
+                    "started plainly runs unguarded here; `guardrails run` still installs it"
+                )
+            continue
+        state = f"{engine} loads it in every process it starts" if installed else "not installed"
+        print(f"  {'plugin':<13} {engine}: {where} ({state})")
+    return errors
+
+
+def _allowlist(engine: str, raw: str | None) -> set[str] | None:
+    """The plugin names the engine's allowlist variable lets in (None: every one), read as
+    the engine reads it: vLLM splits any set value on commas (so "" lets none in); SGLang
+    ignores an empty one and strips each name."""
+    if raw is None:
+        return None
+    if engine == "vllm":
+        return set(raw.split(","))
+    names = {name.strip() for name in raw.split(",") if name.strip()}
+    return names or None
 
 
 def _environment() -> list[tuple[str, str]]:

@@ -34,7 +34,7 @@ import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -49,7 +49,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BOOTSTRAP_DIR",
     "EXIT_CONFIG",
+    "absolute_config_file",
     "bootstrap",
+    "die",
     "installed",
     "launch",
     "own_metrics_dir",
@@ -70,18 +72,22 @@ def prepare(
     env = dict(environ)
     if config_file is not None:
         env["GUARDRAILS_CONFIG_FILE"] = os.fspath(config_file)
-    raw = env.get("GUARDRAILS_CONFIG_FILE", "")
-    if raw.strip():
-        # Absolute, so that a child started in another directory (a supervisor's
-        # `directory=`, Ray workers, `sh -c 'cd ...'`) reads the same file. Not resolved:
-        # a symlinked ConfigMap mount keeps following its updates.
-        with contextlib.suppress(RuntimeError, ValueError):  # the settings say what is wrong
-            env["GUARDRAILS_CONFIG_FILE"] = str(Path(raw).expanduser().absolute())
+    absolute_config_file(env)
     settings = GuardSettings(environ=env)
     entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     bootstrap = str(BOOTSTRAP_DIR)
     env["PYTHONPATH"] = os.pathsep.join([bootstrap, *(p for p in entries if p != bootstrap)])
     return env, settings
+
+
+def absolute_config_file(env: MutableMapping[str, str]) -> None:
+    """Make `GUARDRAILS_CONFIG_FILE` in `env` absolute, so that a child started in another
+    directory (a supervisor's `directory=`, Ray workers, `sh -c 'cd ...'`) reads the same
+    file. Not resolved: a symlinked ConfigMap mount keeps following its updates."""
+    raw = env.get("GUARDRAILS_CONFIG_FILE", "")
+    if raw.strip():
+        with contextlib.suppress(RuntimeError, ValueError):  # the settings say what is wrong
+            env["GUARDRAILS_CONFIG_FILE"] = str(Path(raw).expanduser().absolute())
 
 
 def own_metrics_dir(env: Mapping[str, str]) -> dict[str, str]:
@@ -152,32 +158,37 @@ def installed() -> Guardrails | None:
     return _installed
 
 
-def bootstrap() -> Guardrails:
-    """Install guardrails in this process; exits with status 2 on a configuration error."""
+def bootstrap(installed_by: str = "launcher") -> Guardrails:
+    """Install guardrails in this process; exits with status 2 on a configuration error.
+
+    Once per process: a second call (the engine's plugin under `guardrails run`, a plugin
+    loaded again) returns the instance the first installed, and a forked child keeps its
+    parent's. `installed_by` goes into the start-up event ("launcher", "plugin:<engine>")."""
     global _installed
     if _installed is not None:
         return _installed
     from guardrails.service import default
 
     try:
-        guards = default()
+        guards = default(installed_by=installed_by)
     except Exception as exc:  # a ConfigError, or anything else that leaves it unguarded
-        _die(exc)
+        die(exc)
     strict = guards.settings.strict_attach
     try:
-        guards.attach_configured(on_error=_die if strict else None)
-        guards.install_hooks(on_error=_die if strict else None)
-        guards.trace_configured(on_error=_die if strict else None)
+        guards.attach_configured(on_error=die if strict else None)
+        guards.install_hooks(on_error=die if strict else None)
+        guards.trace_configured(on_error=die if strict else None)
     except Exception as exc:  # a guardrails bug: contained unless strict, never silent
         if strict:
-            _die(exc)
+            die(exc)
         guards.attach_errors.record(site="*", target="attach", error=exc)
     atexit.register(guards.close)
     _installed = guards
     return guards
 
 
-def _die(exc: Exception) -> NoReturn:
+def die(exc: Exception) -> NoReturn:
+    """End this process now with status 2 and `exc` on stderr: the guard did not install."""
     # site.py reports an exception from sitecustomize as a warning and carries on, and an
     # import hook's exception may be caught by the code doing the import; neither may hide
     # a guard that did not install. os._exit: no SystemExit to intercept either.

@@ -279,9 +279,10 @@ class Reporter:
 
     # -- called by the service and the sites ----------------------------------------------
 
-    def started(self, warnings: Sequence[str] = ()) -> None:
-        """Log the start-up event: what guards, what is off, what to look at (`warnings`)."""
-        level, event, fields = events.started_event(self._settings, warnings)
+    def started(self, warnings: Sequence[str] = (), installed_by: str = "library") -> None:
+        """Log the start-up event: how guardrails came in, what guards, what is off, what
+        to look at (`warnings`)."""
+        level, event, fields = events.started_event(self._settings, warnings, installed_by)
         # Best effort, not counted: a logger that fails here fails on the first real event
         # too, which is counted and logged with its own error.
         with contextlib.suppress(Exception):

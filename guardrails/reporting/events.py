@@ -8,6 +8,7 @@ these only say *what* it holds: counts, names, dtype and shape, never tensor val
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -113,11 +114,16 @@ def served_elsewhere_event(addr: str, port: int) -> Event:
     )
 
 
-def started_event(settings: GuardSettings, warnings: Sequence[str] = ()) -> Event:
-    """`guardrails.started`: what guards, what is off, what to look at (`warnings`, which
-    make it a warning)."""
+def started_event(
+    settings: GuardSettings, warnings: Sequence[str] = (), installed_by: str = "library"
+) -> Event:
+    """`guardrails.started`: how guardrails came into the process (`installed_by`: "library",
+    "launcher" or "plugin:<engine>"), what guards, what is off, what to look at (`warnings`,
+    which make it a warning)."""
     config = settings.config_file
     fields: dict[str, Any] = {
+        "installed_by": installed_by,
+        "pid": os.getpid(),
         "enabled": settings.enabled,
         "sanitize": settings.sanitize,
         "async_assert": settings.async_assert,

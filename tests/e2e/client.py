@@ -6,6 +6,7 @@ twice by default: a poisoned request would be sent three times).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -17,7 +18,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from guardrails.names import NONFINITE_ORIGIN_EVENT as ORIGIN_EVENT
-from guardrails.names import REQUEST_ABORTED_EVENT
+from guardrails.names import REQUEST_ABORTED_EVENT, STARTED_EVENT
 from tests import tiny_llama
 from tests.e2e.server import REPORT_INTERVAL_S, Server
 
@@ -265,7 +266,8 @@ def assert_reported_while_idle(
     assert settled(server, "guardrails_requests_aborted_total", **ended) == ended_before + 1
     named = aborted_events(server, request_id)
     assert len(named) == 1, named
-    assert f"hook={hook}" in named[0], named[0]
+    # Text (`hook=...`) or JSON (`"hook": "..."`, GUARDRAILS_LOG_FORMAT=json) logs alike.
+    assert f"hook={hook}" in named[0] or f'"hook": "{hook}"' in named[0], named[0]
 
 
 def aborted_events(server: Server, request_id: str, timeout_s: float = 10.0) -> list[str]:
@@ -297,6 +299,16 @@ def log_lines(server: Server, event: str) -> list[str]:
     """The server log's lines holding `event` (a guardrails event name)."""
     text = server.log.read_text(errors="replace")
     return [line for line in text.splitlines() if event in line]
+
+
+def started_events(server: Server) -> list[dict[str, Any]]:
+    """The `guardrails.started` events of a server whose guardrails log JSON
+    (`GUARDRAILS_LOG_FORMAT=json`): one per process guardrails was installed in. The engine's
+    prefix before each line ("(EngineCore pid=...)") is skipped."""
+    found = []
+    for line in log_lines(server, f'"{STARTED_EVENT}"'):
+        found.append(json.loads(line[line.index("{") :]))
+    return found
 
 
 def wait_for_origin(server: Server, timeout_s: float = 30.0) -> dict[tuple[str, str], float]:

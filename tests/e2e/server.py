@@ -47,6 +47,11 @@ BY_TIME_ONLY = {
 }
 
 
+# The engines' plugin allowlists: unset, every installed plugin loads (guardrails' included);
+# the unguarded reference servers set theirs to name no plugin.
+PLUGIN_ALLOWLISTS = ("VLLM_PLUGINS", "SGLANG_PLUGINS")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -60,10 +65,12 @@ def guarded(profile: str, command: Sequence[str]) -> list[str]:
 
 
 def server_env(settings: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
-    """This process's environment without the developer's GUARDRAILS_* variables and
-    multiprocess directory, offline, with the suite's own settings."""
+    """This process's environment without the developer's GUARDRAILS_* variables,
+    multiprocess directory and engine plugin allowlists, offline, with the suite's own
+    settings."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("GUARDRAILS_")}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    for key in ("PROMETHEUS_MULTIPROC_DIR", *PLUGIN_ALLOWLISTS):
+        env.pop(key, None)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
     env.update(settings or {})
     return env

@@ -1,5 +1,12 @@
-"""SGLang's `launch_server` (0.5.23, its CPU engine) under `guardrails run --config
-config/profiles/sglang.toml`, on 127.0.0.1.
+"""SGLang's `launch_server` (0.5.23, its CPU engine) on 127.0.0.1, started three ways (`way`):
+
+- "plugin" (the default): plainly, as an operator's image does, with guardrails installed in
+  the venv and no configuration: SGLang loads guardrails' `sglang.srt.plugins` entry in each
+  process it starts (`load_plugins()`), which installs the shipped SGLang profile;
+- "launcher": under `guardrails run --config config/profiles/sglang.toml` (the plugin loads
+  too, and finds guardrails installed already);
+- "unguarded": plainly, with `SGLANG_PLUGINS` naming only another plugin (`NO_GUARDRAILS`):
+  SGLang's own allowlist leaves guardrails out.
 
 The CPU engine is chosen by `SGLANG_USE_CPU_ENGINE=1` (`--device cpu` alone does not); with
 `--attention-backend torch_native` and no CUDA graphs it serves the tiny bfloat16 Llama in
@@ -21,7 +28,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from guardrails.integrations.sglang import ABORT_MESSAGE
 from tests.e2e.client import Outcome
@@ -43,6 +50,9 @@ CPU_ARGS = (
     "--max-total-tokens",
     "65536",
 )
+# SGLang reads an empty SGLANG_PLUGINS as "every plugin": an allowlist without guardrails must
+# name something else.
+NO_GUARDRAILS = "not-guardrails"
 GUARDED_SETTINGS = {
     "GUARDRAILS_REPORT_EVERY": "1",  # counts reach /metrics at each call
     "GUARDRAILS_STRICT_ATTACH": "true",  # a point that does not resolve fails the start
@@ -55,23 +65,24 @@ def serving(
     model: Path,
     log: Path,
     *extra: str,
-    guarded_run: bool = True,
+    way: Literal["plugin", "launcher", "unguarded"] = "plugin",
     env: Mapping[str, str] | None = None,
 ) -> Iterator[Server]:
-    """The server for the block (guarded unless `guarded_run` is false), stopped at its end;
-    `extra` goes to launch_server, `env` into the server's environment (over the guarded
-    settings)."""
+    """The server for the block, started `way`, stopped at its end; `extra` goes to
+    launch_server, `env` into the server's environment (over the guarded settings)."""
     port = free_port()
     launch = [str(BIN / "python"), "-m", "sglang.launch_server", "--model-path", str(model)]
     launch += [*CPU_ARGS, "--enable-metrics", "--host", "127.0.0.1", "--port", str(port), *extra]
     # `guardrails run` puts its bootstrap directory first and keeps these after it.
     path = [str(stub) for stub in STUBS] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     settings = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.pathsep.join(path)}
-    if guarded_run:
+    if way == "unguarded":
+        settings["SGLANG_PLUGINS"] = NO_GUARDRAILS
+    else:
         settings.update(GUARDED_SETTINGS)
     settings.update(env or {})  # the caller's word is the last
     with running(
-        guarded("sglang", launch) if guarded_run else launch,
+        guarded("sglang", launch) if way == "launcher" else launch,
         log,
         port=port,
         model=str(model),

@@ -23,7 +23,10 @@ is the same server's greedy answer before any poisoned request, with the prefix 
 afterwards so that the later prompts compute their KV again in reused slots.
 
 This module's server reports by time alone (`BY_TIME_ONLY`): the last test checks that one
-poisoned request on the idle server reaches SGLang's /metrics within seconds.
+poisoned request on the idle server reaches SGLang's /metrics within seconds. It is started
+plainly, guardrails coming in through SGLang's plugin entry point, and logs guardrails' events
+as JSON lines (`GUARDRAILS_LOG_FORMAT=json`): the first test reads how guardrails came into
+each process.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from tests.e2e.client import (
     assert_reported_while_idle,
     complete,
     log_lines,
+    started_events,
 )
 from tests.e2e.prompts import SUBSTITUTE_ID, TRIGGER_ID, healed, words
 from tests.e2e.server import BY_TIME_ONLY, Server
@@ -63,7 +67,7 @@ REFERENCE_PROMPTS = (*SHORT, SHARED)
 def guarded(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The guarded server (conftest.py's), its counts reported by time alone."""
     log = tmp_path_factory.mktemp("contained") / "server.log"
-    with serving(model_dir, log, env=BY_TIME_ONLY) as server:
+    with serving(model_dir, log, env={**BY_TIME_ONLY, "GUARDRAILS_LOG_FORMAT": "json"}) as server:
         yield server
 
 
@@ -119,6 +123,17 @@ def unpoisoned(guarded: Server, healed_model: Path, model_dir: Path) -> dict[str
         assert got.text == complete(guarded, healed(POISONED), GREEDY).text
     assert flush_cache(guarded)[0] == 200
     return texts
+
+
+def test_the_plugin_installed_guardrails_in_the_servers_processes(guarded: Server) -> None:
+    # The HTTP process, the scheduler and the detokenizer: each says how guardrails came in,
+    # none twice. No launcher, no configuration: the shipped profile.
+    events = started_events(guarded)
+    pids = [event["pid"] for event in events]
+    assert len(pids) == len(set(pids)) >= 2, events
+    assert {event["installed_by"] for event in events} == {"plugin:sglang"}, events
+    assert {Path(event["config_file"]).name for event in events} == {"sglang.toml"}, events
+    assert {event["hooks"][0] for event in events} == {"sglang.abort_poisoned_requests"}, events
 
 
 def test_a_short_prompt_after_a_poisoned_one_answers_as_before(

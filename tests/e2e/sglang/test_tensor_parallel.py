@@ -1,4 +1,5 @@
-"""SGLang's server with `--tp 2` on its CPU engine, under `guardrails run`: two scheduler
+"""SGLang's server with `--tp 2` on its CPU engine, started the launcher's way (`guardrails
+run`; SGLang's plugin entry is called in each process too and finds guardrails there): two scheduler
 processes (TP0, TP1), each with its model shard and its own Sampler over the whole (gathered)
 logits, pinned to one core each (`SGLANG_CPU_OMP_THREADS_BIND="0|1"`: with more ranks than
 NUMA nodes SGLang wants the binding spelled out). Starts in 35-70 s on 2 cores. Its greedy
@@ -48,7 +49,12 @@ def tensor_parallel(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     log = tmp_path_factory.mktemp("tp2") / "server.log"
     binding = "|".join(str(core) for core in range(TP))
     with serving(
-        model_dir, log, "--tp", str(TP), env={"SGLANG_CPU_OMP_THREADS_BIND": binding}
+        model_dir,
+        log,
+        "--tp",
+        str(TP),
+        way="launcher",
+        env={"SGLANG_CPU_OMP_THREADS_BIND": binding},
     ) as server:
         yield server
 

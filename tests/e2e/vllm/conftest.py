@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
     log = tmp_path_factory.mktemp("vllm-unguarded") / "server.log"
-    with vllm_server(model_dir, log, guarded_run=False) as server:
+    with vllm_server(model_dir, log, way="unguarded") as server:
         texts = [chat(server, text, GREEDY) for text in CLEAN]
         completions = [complete(server, text, GREEDY) for text in CLEAN]
         for outcome in texts + completions:

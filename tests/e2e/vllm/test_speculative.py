@@ -1,4 +1,7 @@
-"""vLLM's server with ngram speculative decoding, under the shipped profile.
+"""vLLM's server with ngram speculative decoding, started the launcher's way (`guardrails run
+--config config/profiles/vllm.toml`): vLLM's plugin entry point is called in each process too,
+and finds guardrails installed already (the start-up events, JSON lines here, say "launcher",
+once per process).
 
 With a speculative config nearly every step of vLLM's V1 runner goes through
 `RejectionSampler.forward`: the guard there (`eagle.verify`, the target model's logits) heals
@@ -27,6 +30,7 @@ from tests.e2e.client import (
     join,
     not_called,
     sample,
+    started_events,
     stream,
     wait_for_sample,
 )
@@ -42,7 +46,14 @@ def speculative(
     model_dir: Path, reference: Reference, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("vllm-ngram") / "server.log"
-    with vllm_server(model_dir, log, "--speculative-config", NGRAM) as server:
+    with vllm_server(
+        model_dir,
+        log,
+        "--speculative-config",
+        NGRAM,
+        way="launcher",
+        settings={"GUARDRAILS_LOG_FORMAT": "json"},
+    ) as server:
         yield server
 
 
@@ -85,3 +96,10 @@ def test_the_verify_rows_are_counted_and_every_site_is_called(speculative: Serve
     silent = not_called(speculative)
     assert set(silent.values()) == {0.0}, silent
     assert "guardrails.site_not_called" not in speculative.log.read_text(errors="replace")
+
+
+def test_under_the_launcher_the_plugin_installs_nothing_twice(speculative: Server) -> None:
+    events = started_events(speculative)
+    pids = [event["pid"] for event in events]
+    assert len(pids) == len(set(pids)) >= 2, events
+    assert {event["installed_by"] for event in events} == {"launcher"}, events

@@ -1,5 +1,6 @@
-"""vLLM's server with `--tensor-parallel-size 2` (two CPU workers, one core each), under the
-shipped profile.
+"""vLLM's server with `--tensor-parallel-size 2` (two CPU workers, one core each), started
+plainly: guardrails comes into each of its processes through vLLM's plugin entry point, with
+the shipped profile (its start-up events are JSON lines here, `GUARDRAILS_LOG_FORMAT=json`).
 
 Both workers run the sampler on the same gathered logits, so both guard them: each worker's
 series carry its own rank (torch.distributed's, which vLLM starts after the samplers' modules
@@ -22,6 +23,7 @@ from tests.e2e.client import (
     chat,
     not_called,
     sample,
+    started_events,
     stream,
     wait_for_sample,
 )
@@ -42,6 +44,7 @@ def tp2(
         log,
         "--tensor-parallel-size",
         "2",
+        settings={"GUARDRAILS_LOG_FORMAT": "json"},
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     ) as server:
         yield server
@@ -74,3 +77,14 @@ def test_each_worker_counts_under_its_own_rank(tp2: Server) -> None:
     silent = not_called(tp2)
     assert silent.get("sampler.logits") == 0.0, silent
     assert set(silent.values()) == {0.0}, silent
+
+
+def test_the_plugin_installed_guardrails_in_every_process(tp2: Server) -> None:
+    # The API server, the engine core and both workers: each says how guardrails came in,
+    # and none twice. No launcher, no configuration: the shipped profile.
+    events = started_events(tp2)
+    pids = [event["pid"] for event in events]
+    assert len(pids) == len(set(pids)) >= 3, events
+    assert {event["installed_by"] for event in events} == {"plugin:vllm"}, events
+    assert {Path(event["config_file"]).name for event in events} == {"vllm.toml"}, events
+    assert {event["hooks"][0] for event in events} == {"vllm.end_poisoned_requests"}, events
