@@ -17,6 +17,13 @@ import pytest
 import structlog
 
 ENGINE = os.environ.get("ENGINE_SUITE", "")
+# The class-level suites drive guardrails instances of their own: guardrails' plugin entry
+# point (installed with it in each engine venv) must not install the shipped profile on top
+# if engine code loads its plugins. The engines' own allowlists leave it out (SGLang reads an
+# empty SGLANG_PLUGINS as "all": it names another plugin). test_plugin.py in each engine's
+# suite loads it through the engine's own loader, in a child process.
+os.environ["VLLM_PLUGINS"] = ""
+os.environ["SGLANG_PLUGINS"] = "not-guardrails"
 
 
 def engine_version() -> tuple[str, str]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +48,7 @@ from tests.e2e.client import (
     aborted_events,
     assert_reported_while_idle,
     complete,
+    event_fields,
     log_lines,
     started_events,
 )
@@ -186,9 +186,8 @@ def test_each_aborted_requests_own_kv_slots_are_zeroed(guarded: Server) -> None:
     request_id = "zeroed-kv"
     assert_aborted(complete(guarded, POISONED, GREEDY, extra_body={"rid": request_id}))
     (line,) = aborted_events(guarded, request_id)
-    zeroed = re.search(r"\bkv_slots_zeroed=(\d+)", line)
-    assert zeroed is not None, line
+    zeroed = int(event_fields(line)["kv_slots_zeroed"])
     # Its whole prompt but what it matched in the radix cache (the prefix of earlier
     # requests): at least the trigger and the 40 words after it.
-    assert 41 <= int(zeroed.group(1)) <= len(POISONED.split()) + 2, line
+    assert 41 <= zeroed <= len(POISONED.split()) + 2, line
     assert log_lines(guarded, HOOK_ERROR_EVENT) == []

@@ -1,6 +1,8 @@
-"""Run by test_profile.py under `guardrails run --config config/profiles/sglang.toml`: imports
-every module the profile targets, samples a batch with an all-NaN row through SGLang's own
-Sampler, commits it the way the decode loop does, and prints what it saw as one JSON line."""
+"""Run by test_profile.py under `guardrails run --config config/profiles/sglang.toml`, or with
+`plugins` as its second argument and no launcher: imports every module the profile targets,
+then (`plugins`) calls SGLang's own `load_plugins()` as its scheduler process does once its
+modules are imported, samples a batch with an all-NaN row through SGLang's own Sampler,
+commits it the way the decode loop does, and prints what it saw as one JSON line."""
 
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ for name in TARGET_MODULES:
         imported[name] = "imported"
     except ModuleNotFoundError as exc:  # eagle_info_v2 is gone in 0.5.14+
         imported[name] = f"absent: {exc.name}"
+
+if sys.argv[2:] == ["plugins"]:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
 
 engine = load_engine()
 logits = clean_logits(torch.float32)

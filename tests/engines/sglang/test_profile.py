@@ -1,5 +1,6 @@
 """The SGLang profile against the installed SGLang: `guardrails check --strict`, which targets
-apply to this version, and one case through `guardrails run` in a child process."""
+apply to this version, and one case in a child process, installed through `guardrails run` and
+through SGLang's own plugin loader (no launcher, no configuration)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.engines.sglang.conftest import STUBS
 from tests.engines.sglang.engine import FAULT_ROW, NEW, PROFILE, ROOT, V, guarded
@@ -32,17 +35,20 @@ OLD_TARGETS = {
 
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GUARDRAILS_")}
+    env.pop("SGLANG_PLUGINS", None)  # SGLang's allowlist unset: every installed plugin loads
     # The torchvision stub (SGLang imports torchvision at module level; see its docstring).
     env["PYTHONPATH"] = os.pathsep.join([str(STUBS), str(ROOT)])
     env.update(extra)
     return env
 
 
-def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 240, command: str = "guardrails"
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(BIN / "guardrails"), *args],
+        [str(BIN / command), *args],
         cwd=ROOT,
-        env=child_env(),
+        env=child_env(GUARDRAILS_LOG_FORMAT="json"),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -63,9 +69,21 @@ def test_the_profile_applies_the_targets_of_this_sglang_version(engine: Any) -> 
     assert all(states[t] in {"applied", "pending"} for t in applies)
 
 
-def test_guardrails_run_guards_and_aborts_in_the_child(outcome: Any) -> None:
-    done = run("run", "--config", str(PROFILE), "--", sys.executable, str(CHILD), "all_nan")
+@pytest.mark.parametrize("way", ["launcher", "plugin"])
+def test_the_child_is_guarded_and_the_poisoned_request_aborted(outcome: Any, way: str) -> None:
+    if way == "launcher":
+        args = ["run", "--config", str(PROFILE), "--", sys.executable, str(CHILD), "all_nan"]
+        done = run(*args)
+    else:
+        done = run(str(CHILD), "all_nan", "plugins", command="python")
     assert done.returncode == 0, done.stderr[-3000:]
+    started = [
+        json.loads(line)
+        for line in done.stderr.splitlines()
+        if line.startswith("{") and '"guardrails.started"' in line
+    ]
+    installed_by = {"launcher": "launcher", "plugin": "plugin:sglang"}[way]
+    assert [event["installed_by"] for event in started] == [installed_by]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     applies = NEW_TARGETS if NEW else OLD_TARGETS
     assert {t for t, s in seen["patches"].items() if s == "applied"} <= applies
@@ -79,7 +97,7 @@ def test_guardrails_run_guards_and_aborts_in_the_child(outcome: Any) -> None:
     assert finished[FAULT_ROW]["status_code"] == 503
     assert [f is None for i, f in enumerate(finished) if i != FAULT_ROW] == [True] * 4
     outcome(
-        component="guardrails run child",
+        component={"launcher": "guardrails run child", "plugin": "plugin-loaded child"}[way],
         dtype="float32",
         mode="random",
         fault="all_nan",

@@ -1,6 +1,9 @@
-"""The profile through `guardrails run` on Model Runner V2: the bootstrap in a child Python
-process applies the profile and its hook, and the child steps V2's runner and vLLM's
-scheduler (runner.py) with a poisoned request and a healable one.
+"""The shipped profile on Model Runner V2, installed both ways in a child Python process:
+through `guardrails run` (the bootstrap at interpreter start), and through vLLM's own plugin
+loader (`vllm.plugins.load_general_plugins()`, which the child calls first, as
+`EngineCore.__init__` and every worker do) with no launcher and no configuration. Under the
+launcher the loader runs too and finds guardrails installed. The child steps V2's runner and
+vLLM's scheduler (runner.py) with a poisoned request and a healable one.
 
 The case issue 18 measured: before the profile had V2's points, this child's sampler calls
 went through V2's `Sampler.__call__` with 0 guard calls and NaN logprobs.
@@ -19,6 +22,8 @@ from ..test_cli import BIN, ROOT, clean_env
 
 CHILD = r"""
 import json, pathlib, tempfile, torch
+from vllm.plugins import load_general_plugins
+load_general_plugins()  # as EngineCore.__init__ and WorkerWrapperBase.init_worker do
 import vllm.v1.worker.cpu.shm  # as vLLM's CPU worker, before the V2 modules (conftest.py)
 from guardrails.integrations.launcher import installed
 from tests.engines.vllm.v2.runner import apply_cpu_stand_ins, engine
@@ -50,19 +55,28 @@ print(json.dumps({
 """.replace("VOCAB", str(VOCAB))
 
 
-@pytest.fixture(scope="module")
-def child_run(tmp_path_factory):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module", params=["launcher", "plugin"])
+def child_run(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     script = tmp_path_factory.mktemp("child") / "child.py"
     script.write_text(CHILD)
-    # clean_env keeps this process's TRITON_INTERPRET and CUDA_VISIBLE_DEVICES (conftest.py).
-    return subprocess.run(
-        [str(BIN / "guardrails"), "run", "--config", str(PROFILE), "--", sys.executable, script],
+    command = [sys.executable, str(script)]
+    if request.param == "launcher":
+        command = [str(BIN / "guardrails"), "run", "--config", str(PROFILE), "--", *command]
+    # clean_env keeps this process's TRITON_INTERPRET and CUDA_VISIBLE_DEVICES (conftest.py);
+    # vLLM's allowlist is unset (every installed plugin loads) and the start-up event is JSON.
+    env = clean_env()
+    env.pop("VLLM_PLUGINS", None)
+    env["GUARDRAILS_LOG_FORMAT"] = "json"
+    run = subprocess.run(
+        command,
         cwd=ROOT,
-        env=clean_env(),
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+    run.way = request.param
+    return run
 
 
 def report(child_run) -> dict:  # type: ignore[no-untyped-def, type-arg]
@@ -70,7 +84,20 @@ def report(child_run) -> dict:  # type: ignore[no-untyped-def, type-arg]
     return json.loads(child_run.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def test_guardrails_run_applies_the_v2_points_and_hook_in_the_child(child_run) -> None:  # type: ignore[no-untyped-def]
+def test_guardrails_comes_in_once_by_the_way_it_was_installed(child_run) -> None:  # type: ignore[no-untyped-def]
+    report(child_run)
+    started = [
+        json.loads(line)
+        for line in child_run.stderr.splitlines()
+        if line.startswith("{") and '"guardrails.started"' in line
+    ]
+    assert [event["installed_by"] for event in started] == [
+        {"launcher": "launcher", "plugin": "plugin:vllm"}[child_run.way]
+    ]
+    assert started[0]["config_file"].endswith("vllm.toml")
+
+
+def test_the_v2_points_and_hook_are_applied_in_the_child(child_run) -> None:  # type: ignore[no-untyped-def]
     got = report(child_run)
     v2 = "vllm.v1.worker.gpu."
     assert [p for p in got["patches"] if p.startswith(v2)] == [
@@ -81,7 +108,7 @@ def test_guardrails_run_applies_the_v2_points_and_hook_in_the_child(child_run) -
     assert got["hooked"] == [True, True]
 
 
-def test_guardrails_run_guards_v2_and_ends_the_poisoned_request(outcome, child_run) -> None:  # type: ignore[no-untyped-def]
+def test_v2_is_guarded_and_the_poisoned_request_ended(outcome, child_run) -> None:  # type: ignore[no-untyped-def]
     got = report(child_run)
     counts = got["counts"]
     assert counts["sampler.logits/calls"] == 1
@@ -93,7 +120,10 @@ def test_guardrails_run_guards_v2_and_ends_the_poisoned_request(outcome, child_r
     assert got["tokens"]["r2"][0] not in (5, 17, 900)
     assert got["finite_logprobs"] == [True, True, True]
     outcome(
-        component="guardrails run -- python child.py (V2 runner)",
+        component={
+            "launcher": "guardrails run -- python child.py (V2 runner)",
+            "plugin": "vLLM's plugin loader, no launcher (V2 runner)",
+        }[child_run.way],
         dtype="float32",
         mode="greedy",
         fault="all-NaN row, NaN entries",
