@@ -104,3 +104,48 @@ def test_the_child_is_guarded_and_the_poisoned_request_aborted(outcome: Any, way
         unguarded="not run in the child (see the scheduler abort hook row)",
         guarded=f"ids {seen['ids']}: FINISH_ABORT 503, {V} NaN counted",
     )
+
+
+# The scheduler process loads its plugins (`load_plugins()` in run_scheduler_process) once
+# its module is imported: a module that copied `eagle_sample` by `from ... import` before
+# then would keep calling the unguarded original (eagle.verify has no liveness beat to say
+# so). SGLang's HookRegistry rebinds such copies; guardrails' own patch does not, and need not
+# while no copy exists by then, which this child checks on the installed SGLang.
+COPIES = """
+import sys
+import sglang.srt.managers.scheduler
+from sglang.srt.plugins import load_plugins
+load_plugins()
+
+def main():  # locals only: the scan below must not find this script's own names
+    import sglang.srt.speculative.eagle_utils as utils
+    wrapped = utils.eagle_sample
+    original = getattr(wrapped, "__wrapped__", None)
+    stale = sorted(
+        f"{name}.{attr}"
+        for name, module in list(sys.modules.items())
+        for attr, value in list(getattr(module, "__dict__", {}).items())
+        if original is not None and value is original
+    )
+    print(hasattr(wrapped, "__guardrails_patch__"), stale)
+
+main()
+"""
+
+
+@pytest.mark.skipif(not NEW, reason="eagle_sample, a module function, exists from 0.5.14 on")
+def test_no_copy_of_eagle_sample_escapes_the_plugin_in_the_scheduler_process() -> None:
+    stubs = ROOT / "tests" / "e2e" / "sglang" / "stubs"  # sgl_kernel: the scheduler imports it
+    env = child_env(SGLANG_USE_CPU_ENGINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(stubs)])
+    done = subprocess.run(
+        [sys.executable, "-c", COPIES],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "True []"
