@@ -371,3 +371,71 @@ def test_an_attach_points_read_past_the_call_is_checked_against_the_annotations(
     assert f"ok       sampler.logits <- {target} [return.ids]" in captured.out
     message = "return.sampled_ids: check_annotated_engine:Out has no field or attribute"
     assert message in captured.err
+
+
+def fake_engine_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Distribution metadata for `name` 0.34.0 on sys.path: what `check` reads to decide that
+    the engine is installed (nothing of it is imported)."""
+    info = tmp_path / "site" / f"{name}-0.34.0.dist-info"
+    info.mkdir(parents=True)
+    info.joinpath("METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.34.0\n", encoding="utf-8"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+
+
+def test_each_engines_plugin_entry_point_is_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    fake_engine_installed(tmp_path, monkeypatch, "vllm")
+    assert main(["check", "--config", str(config(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "plugin        vllm: vllm.general_plugins:guardrails -> "
+        "guardrails.integrations.plugin:vllm (vllm loads it in every process it starts)"
+    ) in out
+    assert (
+        "plugin        sglang: sglang.srt.plugins:guardrails -> "
+        "guardrails.integrations.plugin:sglang (not installed)"
+    ) in out
+
+
+@pytest.mark.parametrize(
+    ("engine", "var", "value"),
+    [
+        ("vllm", "VLLM_PLUGINS", ""),
+        ("vllm", "VLLM_PLUGINS", "lora"),
+        ("sglang", "SGLANG_PLUGINS", "x,y"),
+    ],
+)
+def test_an_allowlist_leaving_guardrails_out_of_an_installed_engine_is_a_warning(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    engine: str,
+    var: str,
+    value: str,
+) -> None:
+    fake_engine_installed(tmp_path, monkeypatch, engine)
+    monkeypatch.setenv(var, value)
+    path = str(config(tmp_path))
+    assert main(["check", "--config", path]) == 0
+    expected = f"{var}={value!r} leaves guardrails out: {engine} started plainly runs unguarded"
+    assert f"plugin        warning  {expected}" in capsys.readouterr().out
+    assert main(["check", "--strict", "--config", path]) == 1
+    assert expected in capsys.readouterr().err
+
+
+def test_an_allowlist_naming_guardrails_or_sglangs_empty_one_lets_it_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_engine_installed(tmp_path, monkeypatch, "vllm")
+    fake_engine_installed(tmp_path / "s", monkeypatch, "sglang")
+    monkeypatch.setenv("VLLM_PLUGINS", "lora,guardrails")
+    monkeypatch.setenv("SGLANG_PLUGINS", "")  # SGLang reads an empty allowlist as "all"
+    assert main(["check", "--strict", "--config", str(config(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "(vllm loads it in every process it starts)" in out
+    assert "(sglang loads it in every process it starts)" in out
