@@ -8,11 +8,14 @@ fork would never be released there (the child's first `Guardrails` would wait on
 
 Objects a child must also bring up to date (a reporter's baselines, a file sink's files, a
 served socket) are kept in `Live` sets and their after-fork work is registered with
-`after_fork(stage, callback)`. ONE `os.register_at_fork(after_in_child=...)` hook, installed when
-this module is imported, does it all in a fixed order: first every registered lock is re-made
-(so that no callback can wait on a stale one), then the callbacks run stage by stage, in the
-order of `STAGES`, each stage's in the order they were registered. A callback that raises does
-not stop the others; the first error is raised at the end (Python reports it as unraisable).
+`after_fork(stage, callback)`. ONE `os.register_at_fork` hook, installed when this module is
+imported, is guardrails' only one. In a child it does it all in a fixed order: first every
+registered lock is re-made (so that no callback can wait on a stale one), then the callbacks
+run stage by stage, in the order of `STAGES`, each stage's in the order they were registered.
+A callback that raises does not stop the others; the first error is raised at the end (Python
+reports it as unraisable). Around the fork, in the forking process, it runs what
+`around_fork(before, after_in_parent)` registered: `before` in registration order, then the
+`after_in_parent` callbacks in the reverse order (what was taken first is given back last).
 
 Nothing here imports torch or any other part of guardrails.
 """
@@ -32,6 +35,7 @@ __all__ = [
     "Live",
     "RegisteredLock",
     "after_fork",
+    "around_fork",
     "lock",
     "locks",
     "module_lock",
@@ -70,6 +74,8 @@ class RegisteredLock:
 _owners: dict[int, tuple[weakref.ref[Any], dict[str, bool]]] = {}
 _registry_lock = threading.RLock()
 _callbacks: dict[str, list[Callable[[], None]]] = {stage: [] for stage in STAGES}
+# (before, after_in_parent) pairs for the forking process (`around_fork`).
+_around: list[tuple[Callable[[], None], Callable[[], None]]] = []
 
 
 def _make(reentrant: bool) -> Any:
@@ -147,6 +153,25 @@ def after_fork(stage: str, callback: Callable[[], None]) -> None:
             _callbacks[stage].append(callback)
 
 
+def around_fork(before: Callable[[], None], after_in_parent: Callable[[], None]) -> None:
+    """Run `before` in the forking process just before a fork and `after_in_parent` there
+    just after it (what `before` took, `after_in_parent` gives back; the child gets its fresh
+    locks and `after_fork` callbacks instead). Registering the same pair twice runs it once."""
+    with _registry_lock:
+        if (before, after_in_parent) not in _around:
+            _around.append((before, after_in_parent))
+
+
+def _before_fork() -> None:
+    for before, _ in list(_around):
+        before()
+
+
+def _after_fork_in_parent() -> None:
+    for _, after in reversed(list(_around)):
+        after()
+
+
 class Live(Generic[_T]):
     """The objects of one kind alive in this process, held weakly (a dropped `Guardrails` is
     still collected). Iterating gives a snapshot, safe while others add or leave."""
@@ -194,4 +219,8 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -785,4 +784,4 @@ def _after_fork_in_parent() -> None:
 
 
 _process.after_fork("reporters", _after_fork_in_child)
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)
+_process.around_fork(_before_fork, _after_fork_in_parent)

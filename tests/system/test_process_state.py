@@ -64,6 +64,39 @@ def test_no_module_but_the_process_one_makes_a_lock() -> None:
     )
 
 
+def test_no_module_but_the_process_one_registers_a_fork_hook() -> None:
+    # One hook, one order: a second `os.register_at_fork` elsewhere runs in an order of its
+    # own relative to the locks this module re-makes (`around_fork` / `after_fork` instead).
+    hooks = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in _sources()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+        if isinstance(node, ast.Call) and _called_name(node) == "register_at_fork"
+    ]
+    assert hooks == [], f"fork hooks outside guardrails._process: {hooks}"
+
+
+def test_around_fork_runs_before_in_order_and_gives_back_in_reverse() -> None:
+    seen: list[str] = []
+    pairs = [
+        (lambda: seen.append("take a"), lambda: seen.append("give a")),
+        (lambda: seen.append("take b"), lambda: seen.append("give b")),
+    ]
+    saved = list(_process._around)
+    try:
+        for before, after in pairs:
+            _process.around_fork(before, after)
+            _process.around_fork(before, after)  # twice: once
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if seen == ["take a", "take b"] else 3)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        _process._around[:] = saved
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert seen == ["take a", "take b", "give b", "give a"]
+
+
 def test_every_registered_lock_is_assigned_to_the_attribute_it_names() -> None:
     wrong = []
     seen = 0

