@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: demo test lint typecheck pytest bench docs reliability engines engines-latest e2e install clean
+.PHONY: demo test lint typecheck pytest bench docs reliability release engines engines-latest e2e install clean
 
 # pip's own progress is shown: on a fresh clone the torch download alone takes minutes.
 $(STAMP): pyproject.toml .ci/constraints.txt
@@ -48,6 +48,12 @@ bench: $(STAMP)
 reliability: $(STAMP)
 	$(BIN)/python -m benchmarks.reliability
 
+# What a user installs: the sdist and wheel built by `python -m build` into .release/dist, the
+# wheel (not the source tree) installed into a fresh .release/venv with torch pinned, and
+# tests/release run against that venv from outside the repository. See .ci/release/run.sh.
+release: $(STAMP)
+	bash .ci/release/run.sh
+
 # The real engines (SGLang before and after 0.5.14, vLLM), each in its own venv under .engines/
 # with torch pinned to the CPU build, driven with faults injected; prints the table of what
 # each engine did unguarded and guarded. See .ci/engines/ and tests/engines/.
@@ -68,4 +74,4 @@ e2e:
 	bash .ci/e2e/run.sh
 
 clean:
-	rm -rf $(VENV) .engines .e2e .e2e-vllm .e2e-sglang .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .engines .e2e .e2e-vllm .e2e-sglang .release .pytest_cache .mypy_cache .ruff_cache .hypothesis

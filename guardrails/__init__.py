@@ -39,4 +39,4 @@ __all__ = [
     "sanitize_logits_",
 ]
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"

@@ -40,11 +40,14 @@ else:
 HAS_CUDA = torch.cuda.is_available()
 
 # The real-engine suites run only inside their engines' venvs (`make engines` sets
-# ENGINE_SUITE), the real-server suite only in its own (`make e2e` sets E2E_SUITE); `make test`
-# collects neither.
+# ENGINE_SUITE), the real-server suite only in its own (`make e2e` sets E2E_SUITE), the release
+# suite only against the venv its built wheel went into (`make release` sets RELEASE_VENV);
+# `make test` collects none of them.
 collect_ignore_glob = [] if os.environ.get("ENGINE_SUITE") else ["engines/*"]
 if not os.environ.get("E2E_SUITE"):
     collect_ignore_glob.append("e2e/*")
+if not os.environ.get("RELEASE_VENV"):
+    collect_ignore_glob.append("release/*")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -24,7 +24,7 @@ def test_check_names_the_guardrails_version_and_prints_switches_as_true_false(
     assert main(["check"]) == 0
     lines = capsys.readouterr().out.splitlines()
     [version] = [line.split() for line in lines if line.startswith("  guardrails ")]
-    assert version[1:3] == ["guardrails-logits", "0.1.0.dev0"]
+    assert version[1:3] == ["guardrails-logits", "0.1.0"]
     switches = {line.split()[0]: line.split()[1] for line in lines if line.startswith("  ")}
     assert (switches["enabled"], switches["sanitize"], switches["async_assert"]) == (
         "true",

@@ -83,4 +83,4 @@ def test_version_prints_the_distribution_and_its_version(
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0
-    assert capsys.readouterr().out.strip() == "guardrails-logits 0.1.0.dev0"
+    assert capsys.readouterr().out.strip() == "guardrails-logits 0.1.0"
