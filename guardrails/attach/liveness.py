@@ -32,42 +32,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from guardrails import _process
 from guardrails.attach.patching import ImportPatch, around
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved
+from guardrails.reporting.watched import Observation, Watched
 from guardrails.settings.targets import Ref, parse_target
 
 if TYPE_CHECKING:
     from guardrails.settings import GuardSettings
 
 __all__ = ["HeartbeatHandle", "Liveness", "Observation", "Watched", "heartbeat_points"]
-
-
-@dataclass(frozen=True)
-class Watched:
-    """Something that should be called at every step: a site, or an engine hook's halves."""
-
-    name: str  # the site's name, or the hook's ("trace" for tracing)
-    calls: int  # cumulative, as the site (or hook) counts them; traced models for "installed"
-    targets: tuple[str, ...]  # the attach targets (or hook methods, or loaders) that should call it
-    states: tuple[str, ...]  # their states: applied, pending, failed
-    # "calls": silent in a window without a call; "installed": silent while `calls` is 0;
-    # "off": an engine-hook part not applied (reported once, at once: `Attachment.hook_off`).
-    kind: str = "calls"
-
-
-@dataclass(frozen=True)
-class Observation:
-    """One watched thing at the end of a window of `steps` beats."""
-
-    watched: Watched
-    silent: bool  # no call in this window
-    first: bool  # silent now, called (or not yet watched) in the window before
-    steps: int  # beats since it was last seen called (or since watching began)
 
 
 class Liveness:

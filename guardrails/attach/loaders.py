@@ -1,9 +1,9 @@
 """Tracing under `guardrails run`: the engine's model is traced once it is built.
 
-With `[trace] modules = [...]` (or `GUARDRAILS_TRACE`) set, `trace_built_models(guards)`
-patches the loaders below, when their module is imported, so that the model each one builds
-is traced through `guards.trace(model)` with the settings' patterns and mode, once per model
-whichever loaders saw it:
+With `[trace] modules = [...]` (or `GUARDRAILS_TRACE`) set, `trace_built_models(settings,
+trace, closed)` patches the loaders below, when their module is imported, so that the model
+each one builds is traced through `trace(model)` (a `Guardrails`'s traces) with the settings'
+patterns and mode, once per model whichever loaders saw it:
 
     transformers.modeling_utils:PreTrainedModel.from_pretrained   its result (generate,
                                                                   transformers serve)
@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
 from guardrails import _process
 from guardrails.attach.patching import ImportPatch, around
@@ -48,19 +48,6 @@ if TYPE_CHECKING:
     from guardrails.tracing.tracer import Trace
 
 __all__ = ["LOADERS", "TracedLoader", "loader_points", "trace_built_models"]
-
-
-class Guardrails(Protocol):
-    """What the loaders use of a `guardrails.Guardrails` (which calls `trace_built_models`
-    itself: named here by what it does, so this module never imports the service)."""
-
-    @property
-    def settings(self) -> GuardSettings: ...
-
-    @property
-    def closed(self) -> bool: ...
-
-    def trace(self, model: Any) -> Trace: ...
 
 
 # Loader -> where the model is once it ran: "return" (its result), or a path from its receiver
@@ -98,19 +85,24 @@ class TracedLoader(ImportPatch):
     def __init__(
         self,
         point: AttachPoint,
-        guards: Guardrails,
+        settings: GuardSettings,
+        trace: Callable[[Any], Trace],
+        closed: Callable[[], bool],
         on_error: Callable[[AttachError], None] | None,
         model_at: str = "return",
         seen: weakref.WeakSet[Any] | None = None,
     ) -> None:
-        super().__init__(point, on_error, None, lambda: guards.closed)
+        """`trace(model)` makes a trace (a bound method, held weakly: the loader never keeps
+        its owner alive); `closed()` says whether the owner is closed."""
+        super().__init__(point, on_error, None, closed)
         if model_at != "return" and not _MODEL_PATH.fullmatch(model_at):
             raise ValueError(
                 "a loader's model is at 'return' or a path from its receiver such as "
                 f"'self.model' or 'self.get_model()', not {model_at!r}"
             )
         self.model_at = model_at
-        self._guards = weakref.ref(guards)
+        self._settings = settings
+        self._make_trace = weakref.WeakMethod(trace)
         # The models traced, shared by the loaders of one `trace_built_models`: a model that
         # two of them see (vLLM's runner inside its worker) is traced once.
         self._seen: weakref.WeakSet[Any] = weakref.WeakSet() if seen is None else seen
@@ -136,8 +128,8 @@ class TracedLoader(ImportPatch):
         return around(resolved.func, after=traced)
 
     def _trace(self, find: Callable[[], Any]) -> None:
-        guards = self._guards()
-        if guards is None or guards.closed or not self._acting:
+        make_trace = self._make_trace()
+        if make_trace is None or self._closed() or not self._acting:
             return
         try:
             model = find()
@@ -147,10 +139,11 @@ class TracedLoader(ImportPatch):
                 if model in self._seen:
                     return
                 self._seen.add(model)
-            trace = guards.trace(model)
+            trace = make_trace(model)
         except Exception as exc:  # never the engine's model load that fails for a trace
             why = str(exc) if isinstance(exc, ValueError | TypeError) else repr(exc)
-            error = AttachError([Problem(guards.settings.origin("trace", "modules"), why, None)])
+            where = self._settings.origin("trace", "modules")
+            error = AttachError([Problem(where, why, None)])
             if self._on_error is None:
                 raise error from exc
             self._on_error(error)
@@ -163,16 +156,20 @@ class TracedLoader(ImportPatch):
 
 
 def trace_built_models(
-    guards: Guardrails, on_error: Callable[[AttachError], None] | None = None
+    settings: GuardSettings,
+    trace: Callable[[Any], Trace],
+    closed: Callable[[], bool],
+    on_error: Callable[[AttachError], None] | None = None,
 ) -> list[TracedLoader]:
-    """Install the loader patches (pending until their module is imported); none when the
-    settings trace no module or guardrails is switched off."""
-    if not guards.settings.enabled or not guards.settings.trace.modules:
+    """Install the loader patches (pending until their module is imported), each tracing
+    the model it builds through `trace(model)`; none when `settings` trace no module or
+    guardrails is switched off."""
+    if not settings.enabled or not settings.trace.modules:
         return []  # GUARDRAILS_ENABLED=false: no site reports, so nothing would read them
     handles = []
     seen: weakref.WeakSet[Any] = weakref.WeakSet()
-    for point, model_at in loader_points(guards.settings):
-        handle = TracedLoader(point, guards, on_error, model_at, seen)
+    for point, model_at in loader_points(settings):
+        handle = TracedLoader(point, settings, trace, closed, on_error, model_at, seen)
         handle.install()
         handles.append(handle)
     return handles

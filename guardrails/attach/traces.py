@@ -1,13 +1,13 @@
 """`Traces`: the traces one `Guardrails` made, and the loader patches that make them.
 
     trace = traces.trace(model)            # guards.trace(model): probes on matching modules
-    traces.configure(guards)               # guards.trace_configured(): trace what loads
+    traces.configure()                     # guards.trace_configured(): trace what loads
 
 A trace is reported through the owner's reporter from the moment it is made until it is
 removed or its model is dropped (traces are held weakly: a server may drop its model); each
 has the owner's `hook_errors` for its probes' own failures. `close()` removes the loader
-patches and the traces left. Nothing here holds the owner: the loaders trace through the
-`owner.trace(model)` that `configure(owner)` names, holding it weakly. See
+patches and the traces left. Nothing here holds the owner: the loaders trace through this
+object's `trace(model)`, holding it weakly. See
 `guardrails.tracing` for the probes, and `guardrails.attach.loaders` for the loaders.
 """
 
@@ -21,7 +21,6 @@ from torch import nn
 
 from guardrails import _process
 from guardrails.attach.errors import Recorders
-from guardrails.attach.loaders import Guardrails as LoaderOwner
 from guardrails.attach.loaders import TracedLoader, trace_built_models
 from guardrails.attach.points import AttachError
 from guardrails.reporting._reporter import Reporter
@@ -87,17 +86,15 @@ class Traces:
         with self._lock:
             return [trace for trace in self._traces.values() if trace.active]
 
-    def configure(
-        self, owner: LoaderOwner, *, on_error: Callable[[Exception], None] | None = None
-    ) -> list[Any]:
+    def configure(self, *, on_error: Callable[[Exception], None] | None = None) -> list[Any]:
         """Install the loader patches that trace each model the engine builds through
-        `owner.trace(model)` (none when no module is traced); a model the patterns do not fit
-        goes to `Recorders.failed`."""
+        `trace(model)` (none when no module is traced); a model the patterns do not fit goes
+        to `Recorders.failed`."""
 
         def failed(error: AttachError) -> None:
             self._recorders.failed("trace", "trace.modules", error, on_error)
 
-        handles = trace_built_models(owner, failed)
+        handles = trace_built_models(self._settings, self.trace, self._closed, failed)
         self._loaders.extend(handles)
         return list(handles)
 

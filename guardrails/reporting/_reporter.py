@@ -57,38 +57,13 @@ if TYPE_CHECKING:
 
     from guardrails.reporting.metrics import GuardMetrics, Series
     from guardrails.reporting.mirror import DeviceCounts
+    from guardrails.reporting.watched import Observation
     from guardrails.settings import GuardSettings
     from guardrails.tracing.tracer import Trace
 
-__all__ = ["Observation", "ReportedSite", "Reporter"]
+__all__ = ["ReportedSite", "Reporter"]
 
 _NO_POLLER: Any = object()  # starting one failed: not tried again
-
-
-class _Watched(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def calls(self) -> int: ...
-    @property
-    def targets(self) -> tuple[str, ...]: ...
-    @property
-    def states(self) -> tuple[str, ...]: ...
-    @property
-    def kind(self) -> str: ...
-
-
-class Observation(Protocol):
-    """What `liveness()` reads of one watched site (`guardrails.attach.liveness`)."""
-
-    @property
-    def watched(self) -> _Watched: ...
-    @property
-    def silent(self) -> bool: ...
-    @property
-    def first(self) -> bool: ...
-    @property
-    def steps(self) -> int: ...
 
 
 class ReportedSite(Protocol):

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from guardrails import _process
 from guardrails.flags import CountKind
+from guardrails.reporting.sinks import FamilySpec
 
 if TYPE_CHECKING:
     from guardrails.reporting.sinks import FileSink, RegistrySink
@@ -102,24 +103,6 @@ GUARD_ERROR_REASONS: Final = ("dtype", "shape", "layout", "device", "reference",
 # Why an engine hook ended a request: a logits row matched its site's abort_on, or (transformers'
 # continuous batching) its keys or values were non-finite in a prefill chunk with no logits row.
 ABORT_REASONS: Final = ("nonfinite_logits", "nonfinite_kv")
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    """One metric family: `name` without `_total` for counters; a gauge needs the
-    `multiprocess_mode` prometheus-client combines processes with (e.g. "livemax")."""
-
-    attr: str
-    name: str
-    help: str
-    labels: tuple[str, ...]
-    type: str = "counter"
-    multiprocess_mode: str = ""
-
-    @property
-    def sample(self) -> str:
-        """The exported sample name."""
-        return f"{self.name}_total" if self.type == "counter" else self.name
 
 
 FAMILIES: Final = (

@@ -38,7 +38,8 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Protocol
+from dataclasses import dataclass
+from typing import Any, Final
 
 from guardrails import _process
 
@@ -155,23 +156,23 @@ def _announce_quietly(tree_dir: str | None, directory: str | None) -> None:
             announce(tree_dir, directory)
 
 
-class FamilySpec(Protocol):
-    """What a sink reads of a family (`guardrails.reporting.metrics.FamilySpec`)."""
+@dataclass(frozen=True)
+class FamilySpec:
+    """One metric family (the table is `guardrails.reporting.metrics.FAMILIES`): `name`
+    without `_total` for counters; a gauge needs the `multiprocess_mode` prometheus-client
+    combines processes with (e.g. "livemax")."""
+
+    attr: str
+    name: str
+    help: str
+    labels: tuple[str, ...]
+    type: str = "counter"
+    multiprocess_mode: str = ""
 
     @property
-    def attr(self) -> str: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def help(self) -> str: ...
-    @property
-    def labels(self) -> tuple[str, ...]: ...
-    @property
-    def type(self) -> str: ...
-    @property
-    def multiprocess_mode(self) -> str: ...
-    @property
-    def sample(self) -> str: ...
+    def sample(self) -> str:
+        """The exported sample name."""
+        return f"{self.name}_total" if self.type == "counter" else self.name
 
 
 class RegistrySink:

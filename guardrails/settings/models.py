@@ -25,7 +25,7 @@ import fnmatch
 import functools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -40,15 +40,11 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from guardrails._suggest import closest
 from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import RowFlag
-from guardrails.names import HOOK_ACTS_ON, KNOWN_HOOKS
-from guardrails.settings.checks import (
-    check_attach_point,
-    check_site_table,
-    cross_field_problems,
-    notice_problems,
-)
+from guardrails.names import HOOK_ACTS_ON, KNOWN_HOOKS, KNOWN_SITES
+from guardrails.settings.checks import Where, cross_field_problems
 from guardrails.settings.fields import (
     ALL_DTYPES,
     BindAddress,
@@ -72,10 +68,11 @@ from guardrails.settings.fields import (
     TracePatterns,
     Verified,
     VocabSize,
+    is_loopback,
     site_table_names,
 )
-from guardrails.settings.problems import problems_from
-from guardrails.settings.schema import part, setting
+from guardrails.settings.problems import problems_from, site_hint
+from guardrails.settings.schema import part, plain, setting
 from guardrails.settings.sources import COLLECTOR, Collector, EnvSource, FileSource, InitSource
 from guardrails.settings.targets import REF_SYNTAX, TARGET_SYNTAX
 from guardrails.tracing.modes import MODE_SYNTAX
@@ -177,7 +174,10 @@ class SiteSettings(_Frozen):
 
     @model_validator(mode="after")
     def _fields_agree(self) -> SiteSettings:
-        check_site_table(self)
+        if self.on_no_valid_token == "eos" and self.eos_token_id is None:
+            raise ValueError(
+                'on_no_valid_token = "eos" needs eos_token_id = N (the model\'s stop token)'
+            )
         return self
 
     @property
@@ -233,7 +233,14 @@ class AttachSettings(_Frozen):
 
     @model_validator(mode="after")
     def _fields_agree(self) -> AttachSettings:
-        check_attach_point(self)
+        given = (self.vocab_size is not None) + (self.vocab_size_from is not None)
+        if self.kind == "token_ids" and given != 1:
+            raise ValueError(
+                'kind = "token_ids" needs exactly one of vocab_size = N or '
+                'vocab_size_from = "arg:..." (ids outside [0, vocab_size) are flagged)'
+            )
+        if self.kind == "logits" and given:
+            raise ValueError('vocab_size and vocab_size_from apply only to kind = "token_ids"')
         return self
 
 
@@ -436,7 +443,7 @@ class GuardSettings(BaseSettings):
         if problems:
             raise ConfigError(problems)
         self._origins = collector.origins
-        self._notices = tuple(notice_problems(self, collector.where))
+        self._notices = tuple(_notice_problems(self, collector.where))
 
     @classmethod
     def settings_customise_sources(
@@ -523,3 +530,82 @@ class GuardSettings(BaseSettings):
             if found is not None and found.startswith("argument"):
                 return found
         return "default"
+
+
+def _notice_problems(settings: GuardSettings, where: Where) -> Iterator[Problem]:
+    """What is valid in `settings` but worth a warning (`GuardSettings.notices`)."""
+    attach_sites = {point.site for point in settings.attach}
+    if not settings.enabled:
+        yield Problem(where(("enabled",)), "guardrails is switched off: every site is a no-op")
+    elif not any(
+        settings.is_site_enabled(name) for name in {*KNOWN_SITES, *settings.sites, *attach_sites}
+    ):
+        yield Problem(
+            where(("disabled_sites",)),
+            "switches every site off: nothing is guarded",
+            plain(settings.disabled_sites, sep=","),
+            accepted="GUARDRAILS_ENABLED=false, to say so plainly",
+        )
+    listed = {*settings.enabled_sites, *settings.disabled_sites}
+    exact = {entry for entry in listed if not any(ch in entry for ch in "*?[")}
+    patterns = {entry for entry in listed - exact if entry != "*"}
+    for name in settings.sites:
+        if name in KNOWN_SITES or name in attach_sites or name in exact:
+            continue
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            continue
+        candidates = {*KNOWN_SITES, *attach_sites, *exact} - {name}
+        yield Problem(
+            where(("sites", name)),
+            f"[sites.{_quoted(name)}] is no known site, no [[attach]] site and in no enable "
+            "list: it applies only if code asks for a site of that name"
+            + closest(name, candidates),
+            accepted=site_hint(),
+        )
+    if settings.attach and not settings.heartbeat:
+        yield Problem(
+            where(("heartbeat",)),
+            "no heartbeat: an [[attach]] point on a method this engine never calls would "
+            "guard nothing without a word",
+            accepted='heartbeat = "package.module:Class.method", a call every engine step '
+            "passes (the shipped profiles name one)",
+        )
+    for hook in settings.hooks:
+        acted = [name for name in HOOK_ACTS_ON.get(hook, ()) if settings.is_site_enabled(name)]
+        if not any(settings.site_settings(name).abort_on for name in acted):
+            sites = ", ".join(f"sites.{_quoted(n)}" for n in HOOK_ACTS_ON.get(hook, ()))
+            yield Problem(
+                where(("hooks",)),
+                f"hook {hook} ends nothing: it acts on the abort_on of {sites or 'no site'}, "
+                "which is empty or switched off",
+                hook,
+                accepted='abort_on = ["no_valid_token"] in that site table',
+            )
+    if not settings.attach:
+        # A configuration for code (GuardLogitsProcessor reads abort_on itself); with
+        # [[attach]] points, `guardrails check` and the launcher make this an error.
+        for name in settings.unacted_abort_sites():
+            yield Problem(
+                where(("sites", name, "abort_on")),
+                "no configured hook acts on it: under guardrails run it ends nothing "
+                "(only GuardLogitsProcessor in code reads it)",
+                plain(settings.sites[name].abort_on),
+                accepted="hooks = [...] naming one of " + _hooks_for(name),
+            )
+    if settings.metrics.port and not is_loopback(settings.metrics.addr):
+        yield Problem(
+            where(("metrics", "addr")),
+            f"/metrics is served on {settings.metrics.addr}:{settings.metrics.port}, reachable "
+            "from other hosts",
+            settings.metrics.addr,
+            accepted="127.0.0.1 (the default) to serve this host only",
+        )
+
+
+def _hooks_for(site: str) -> str:
+    hooks = [hook for hook, sites in HOOK_ACTS_ON.items() if site in sites]
+    return ", ".join(sorted(hooks)) if hooks else "(none acts on this site)"
+
+
+def _quoted(name: str) -> str:
+    return f'"{name}"' if "." in name else name

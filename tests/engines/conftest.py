@@ -22,8 +22,11 @@ ENGINE = os.environ.get("ENGINE_SUITE", "")
 # if engine code loads its plugins. The engines' own allowlists leave it out (SGLang reads an
 # empty SGLANG_PLUGINS as "all": it names another plugin). test_plugin.py in each engine's
 # suite loads it through the engine's own loader, in a child process.
-os.environ["VLLM_PLUGINS"] = ""
-os.environ["SGLANG_PLUGINS"] = "not-guardrails"
+# Only in an engine suite (ENGINE_SUITE set): `make test` imports this file too, and must not
+# see these.
+if ENGINE:
+    os.environ["VLLM_PLUGINS"] = ""
+    os.environ["SGLANG_PLUGINS"] = "not-guardrails"
 
 
 def engine_version() -> tuple[str, str]:

@@ -158,7 +158,9 @@ def test_a_loaders_model_is_its_result_or_a_path_from_its_receiver() -> None:
         )
         for wrong in ("self", "model", "self.net(", "self..model", "return()"):
             with pytest.raises(ValueError, match=re.escape(f"'self.get_model()', not {wrong!r}")):
-                loaders.TracedLoader(point, guards, None, wrong)
+                loaders.TracedLoader(
+                    point, guards.settings, guards.trace, lambda: guards.closed, None, wrong
+                )
     finally:
         guards.close()
 
@@ -170,10 +172,12 @@ def test_a_trace_that_fails_never_fails_the_engines_load(
         monkeypatch.setattr(loaders, "LOADERS", {f"{name}:Runner.load_model": "self.model"})
         guards = fresh_guardrails(registry=CollectorRegistry(), trace={"modules": ["head"]})
 
-        def broken(model: object) -> None:
+        def broken(model: object, *args: object, **kwargs: object) -> None:
             raise RuntimeError("a bug in guardrails")
 
-        monkeypatch.setattr(guards, "trace", broken)
+        import guardrails.attach.traces
+
+        monkeypatch.setattr(guardrails.attach.traces, "Trace", broken)  # what trace() makes
         errors: list[Exception] = []
         try:
             (loader,) = guards.trace_configured(on_error=errors.append)
