@@ -41,7 +41,11 @@ print(json.dumps({
 
 
 def clean_env() -> dict[str, str]:
+    """This process's environment without GUARDRAILS_* and without the suite's own
+    `VLLM_PLUGINS=""` (conftest.py): the child and `guardrails check` see vLLM as installed,
+    its plugins allowed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GUARDRAILS_")}
+    env.pop("VLLM_PLUGINS", None)
     env["PYTHONPATH"] = str(ROOT)
     return env
 
