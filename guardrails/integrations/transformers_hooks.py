@@ -6,53 +6,16 @@ with it.
     [sites."sampler.logits"]
     abort_on = ["no_valid_token"]
 
-A row with no valid token (all NaN, or all -inf) is healed to uniform logits; the token sampled
-from it means nothing. This hook ends such a request through transformers' own error paths,
-and the token sampled from the healed row never reaches the client. Its halves, each waiting
-for its module's import (nothing here imports transformers):
-
-- `generate()` (plain `transformers serve`, one request per call): `LogitsProcessorList.__call__`
-  keeps this step's rows that match `abort_on` (a new tensor made from the flags of the
-  `sampler.logits` call inside it); `StopCheck.__call__`, which hands each step's tokens to the
-  streamer, raises `PoisonedRequestError` from `generate()` before the token is streamed, once
-  the host has the tokens (transformers' own wait of that step: no synchronisation is added).
-  Under `transformers serve` a non-streaming request gets HTTP 500 with the JSON body
-  `{"detail": MESSAGE}`, a stream an SSE `data: {"error": MESSAGE}` event and nothing after
-  it (see the serve layer below). A direct `generate()` caller gets the exception for the whole
-  call (transformers' `generate` has no per-row error; `GuardLogitsProcessor(abort_on=...)`
-  ends rows with EOS instead).
-- continuous batching (`transformers serve --continuous-batching`, `generate_batch`):
-  `PagedAttentionCache.update`, where every attention layer hands the batch's new keys and
-  values to the paged cache before attention reads them, turns NaN and +-Inf there into 0 in
-  place, branch-free (finite values unchanged), and keeps which query tokens had them. Batched
-  requests share one attention call whose masks give the other requests' positions a weight
-  of exactly 0, and 0 * NaN is NaN: without this, one request's overflow reaches every request
-  batched with it in the same forward pass, before any sampler could flag it. The zeroed
-  entries would also hide the fault from the request itself (its later positions read them as
-  finite), so `ModelRunner._sample` first writes NaN into the logits row of each request whose
-  tokens had them in this step (device ops, no sync): the `sampler.logits` guard then counts and
-  flags that row as it would have unhealed. After the guard it keeps this step's abort rows on
-  the IO buffers the step's results are read from. `ContinuousBatchingIOs.prepare_batch_update`
-  (inside `ContinuousBatchProcessor.update_batch` only) drops those requests and their sampled
-  tokens from the batch update, and any request whose non-finite tokens were in a prefill
-  chunk without a logits row (ended at once: not counted by the site). `update_batch` then
-  fails each with transformers' own `_handle_request_error` (status FAILED, `error` = MESSAGE),
-  frees its KV blocks out of the prefix cache (`no_cache=True`) and removes it from the
-  scheduler: the batching worker carries on with the others. The host reads the rows after
-  transformers' own wait for the step's outputs (`retrieve_device_outputs`, or the async IO
-  pair's event).
-- the serve layer, by version (`when` gates each half):
-  - before 5.25 (one process): the plain error is an HTTP exception already; for continuous
-    batching's non-streaming request `CBGenerateManager.generate_non_streaming` turns
-    transformers' `RuntimeError` into it. The id: the `request_id` that
-    `GenerateManager.generate_streaming` / `generate_non_streaming` receive, carried into the
-    job `InferenceThread.submit` / `async_submit` hands to the inference thread.
-  - from 5.25 (the model in a process of its own): an error crosses back to the API server as
-    `RuntimeError` text; `EngineClient._send_request` raises it as ours again. The id: the one
-    the chat, completions and responses handlers receive (`handle_request`), carried with the
-    request's generation kwargs to the model's process, where `GenerateRunner.generate` runs
-    the request's generate() job with it and `CBGenerateRunner.generate` maps the batch's id
-    for the request to it.
+Contract: a request with a `sampler.logits` row whose flags intersect `abort_on` ends through
+transformers' own error paths before the token sampled from that row reaches the client
+(`generate()`: `PoisonedRequestError` from the call; under `transformers serve` HTTP 500 with
+`{"detail": MESSAGE}`, or a stream's `data: {"error": MESSAGE}` event and nothing after it;
+continuous batching: that request fails, the batch carries on, its KV blocks leave the prefix
+cache). In continuous batching non-finite keys and values written to the paged cache are
+zeroed in place before attention reads them, so one request's overflow never reaches another
+in the same forward pass; the request they came from is still ended. No synchronisation is
+added. How each half does it, by transformers version: docs/integrating.md, "How the
+transformers hook works".
 
 Each ended request is counted and logged once (`guardrails.reporting.request_aborts`) with the
 id transformers serve's API server gave it (the client's X-Request-Id, or one it made up); a

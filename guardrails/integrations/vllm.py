@@ -6,50 +6,17 @@ of the prefix cache.
     [sites."sampler.logits"]
     abort_on = ["no_valid_token"]
 
-A row with no valid token (all NaN, or all -inf) is healed to uniform logits and sampling
-from it gives a token that means nothing. vLLM's model runners already report NaN logits to
-the scheduler per request (`ModelRunnerOutput.num_nans_in_logits`, req id -> count; vLLM
-fills it only under VLLM_COMPUTE_NANS_IN_LOGITS, and its own count sees the logits after the
-guard healed them in place). This hook's halves are joined by that field; a worker builds
-one of vLLM's two model runners, so one runner half runs there and the other never does:
-
-- Model Runner V2, vLLM's default on a GPU (`vllm.v1.worker.gpu.model_runner`,
-  `GPUModelRunner.sample`): after the step's sampler call, the rows of its `sampler.logits`
-  call whose flags intersect that site's `abort_on` are folded into the sampler output's
-  per-request NaN counts (`SamplerOutput.num_nans`, made when vLLM made none), which V2's
-  `AsyncOutput` copies to the host on its output copy stream and `get_output` turns into
-  `num_nans_in_logits` after that copy's event. A speculative step's rows (draft targets and
-  bonus) are reduced per request with the batch's `cu_num_logits`.
-- V1 model runner (`vllm.v1.worker.gpu_model_runner`, `GPUModelRunner._bookkeeping_sync`):
-  the same rows are reported there with a count of at least 1. Under speculative decoding
-  nearly every step samples through `RejectionSampler.forward`, whose target logits (site
-  `eagle.verify`, the target model's rows: each request's draft positions and its bonus row)
-  are healed before `Sampler.forward` sees the bonus rows: the verify half
-  (`vllm.v1.sample.rejection_sampler`, `RejectionSampler.forward`) reduces that site's
-  `abort_on` rows per request (by the step's `bonus_logits_indices`, on the device) and the
-  runner half reports them with the step's own. Under async scheduling the
-  marks ride vLLM's own device NaN counts (`num_nans`), copied with the sampled ids; under
-  sync scheduling they are copied (non-blocking, pinned on CUDA) before the bookkeeping call,
-  whose `_to_list` waits for an event recorded after them on the same stream, and read once it
-  returns.
-- scheduler (`vllm.v1.core.sched.scheduler`, `Scheduler.update_from_output`; engine core,
-  either runner): a request reported with NaNs loses the tokens sampled from its healed rows,
-  its KV blocks leave the prefix cache (`KVCacheManager.evict_blocks`: a retry of the same
-  prompt recomputes instead of reading the poisoned KV back), and it ends as FINISHED_ERROR;
-  its output carries finish_reason ERROR and the count, which vLLM's own stats mark as a
-  corrupted request. Each is counted and named by its engine request id
-  (`guardrails.reporting.request_aborts`).
-- KV zeroing (the scheduler's `Scheduler.schedule`; the worker's V1
-  `GPUModelRunner._zero_block_ids`, V2 `GPUModelRunner.update_requests`): the blocks the
-  poisoned request's end freed are zeroed before any request can read them. vLLM's free queue
-  hands out hashless blocks first, and attention reads a block's slots past a shorter
-  request's length (probability 0 x NaN = NaN), so its NaN would reach the very next request.
-  vLLM's own machinery does the zeroing: the freed block ids ride the next step's
-  `SchedulerOutput.new_block_ids_to_zero`, which every worker zeroes before that step's
-  forward pass. vLLM fills that list only where its cache needs zeroing for every new block
-  (Mamba, mixed precision) and builds the GPU runners' KV block zeroer only then: the worker
-  halves build it at the first step that sends ids (the CPU runner zeroes without one).
-  Clean requests' blocks are never zeroed.
+Contract: a request with a row of `sampler.logits` (or, under speculative decoding,
+`eagle.verify`) whose flags intersect that site's `abort_on` ends as FINISHED_ERROR with
+finish_reason ERROR and the count in its output; the tokens sampled from its healed rows are
+dropped; its KV blocks leave the prefix cache and are zeroed (through vLLM's own
+`new_block_ids_to_zero`) before any request can read them; clean requests' blocks are never
+zeroed. Each end is counted and named by its engine request id
+(`guardrails.reporting.request_aborts`). The halves are joined by vLLM's own
+`num_nans_in_logits`; one runner half runs per worker (Model Runner V2, the V1 runner or the
+standalone CPU runner, each for the vLLM versions its `when` names), and each declares what it
+reads of vLLM (`guardrails.attach.expects`; a half whose vLLM lacks one is not applied).
+How each half does it, step by step: docs/integrating.md, "How the vLLM hook works".
 
 No host sync is added: the marks are new device tensors made from the flags before the next
 step can reuse the flags buffer, and they reach the host with copies vLLM already waits for.
