@@ -197,6 +197,17 @@ class Live(Generic[_T]):
         with self._lock:
             return len(self._items)
 
+    def snapshot(self, timeout: float) -> list[_T]:
+        """The objects alive now, waiting at most `timeout` seconds for another thread that
+        holds the set's lock; [] if it still does (a fork hook must not wait on a thread
+        that may hold it for good)."""
+        if not self._lock.acquire(timeout=timeout):
+            return []
+        try:
+            return list(self._items)
+        finally:
+            self._lock.release()
+
 
 def _after_fork_in_child() -> None:
     global _registry_lock

@@ -748,7 +748,10 @@ _FORK_WAIT_S = 1.0
 
 
 def _before_fork() -> None:
-    for reporter in list(_live or ()):
+    # Never an unbounded wait: another thread may hold the set's lock (or a reporter's) at
+    # the fork; the child re-makes every lock either way (guardrails._process).
+    live = _live
+    for reporter in [] if live is None else live.snapshot(timeout=_FORK_WAIT_S):
         if reporter._poller is not None and reporter._lock.acquire(timeout=_FORK_WAIT_S):
             _held_at_fork.append(reporter)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from guardrails import _process
+from guardrails import Guardrails, GuardSettings, _process
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "guardrails"
@@ -277,3 +277,34 @@ def test_a_forked_child_gets_new_unlocked_locks_and_runs_the_stages_in_order() -
     assert answer == [True, True, list(_process.STAGES)]
     assert os.waitstatus_to_exitcode(status) == 0
     assert owner.guard is before  # type: ignore[attr-defined]  # the parent keeps its own
+
+
+def test_the_reporters_fork_hook_never_waits_on_a_thread_that_holds_the_live_set() -> None:
+    # A thread that holds the set of live reporters at a fork (for good, as a thread stuck
+    # there would) must not keep the fork from happening: the hook gives up after its wait.
+    # The join timeout is a hang guard, far above that wait.
+    from guardrails.reporting import _reporter
+
+    guards = Guardrails(GuardSettings())
+    live = _reporter._live_reporters()
+    release = threading.Event()
+    holding = threading.Event()
+
+    def hold() -> None:
+        with live._lock:
+            holding.set()
+            release.wait(120)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert holding.wait(30)
+        hook = threading.Thread(target=_process._before_fork, daemon=True)
+        hook.start()
+        hook.join(60)
+        assert not hook.is_alive(), "the fork hook waited on the holder"
+        _process._after_fork_in_parent()
+    finally:
+        release.set()
+        holder.join(30)
+        guards.close()
