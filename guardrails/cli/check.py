@@ -111,6 +111,21 @@ def _warn(warnings: list[str], label: str, text: str) -> None:
     warnings.append(text)
 
 
+def _error(errors: list[str], label: str, text: str) -> None:
+    print(f"  {label:<13} error    {text}")
+    errors.append(text)
+
+
+def _warn_or_error(
+    label: str, text: str, *, strict: bool, warnings: list[str], errors: list[str]
+) -> None:
+    """A problem that is a warning, and an error under --strict."""
+    if strict:
+        _error(errors, label, text)
+    else:
+        _warn(warnings, label, text)
+
+
 def _points(settings: GuardSettings) -> list[tuple[int, AttachPoint]]:
     from guardrails.attach.points import AttachPoint
 
@@ -376,13 +391,9 @@ def _check_verified(settings: GuardSettings, *, strict: bool, warnings: list[str
 
     for text in settings.verified_with:
         print(f"  {'verified':<13} {text}")
-    errors = []
+    errors: list[str] = []
     for line in newer_than_verified(settings.verified_with):
-        if strict:
-            print(f"  {'verified':<13} error    {line}")
-            errors.append(line)
-        else:
-            _warn(warnings, "verified", line)
+        _warn_or_error("verified", line, strict=strict, warnings=warnings, errors=errors)
     return errors
 
 
@@ -397,11 +408,7 @@ def _check_plugins(*, strict: bool, warnings: list[str]) -> list[str]:
     errors: list[str] = []
 
     def problem(text: str) -> None:
-        if strict:
-            print(f"  {'plugin':<13} error    {text}")
-            errors.append(text)
-        else:
-            _warn(warnings, "plugin", text)
+        _warn_or_error("plugin", text, strict=strict, warnings=warnings, errors=errors)
 
     for engine, (group, allow_var) in ENTRY_POINTS.items():
         installed = installed_distribution(engine) is not None
@@ -423,8 +430,7 @@ def _check_plugins(*, strict: bool, warnings: list[str]) -> list[str]:
             entry.load()
         except Exception as exc:
             text = f"{where} does not load ({type(exc).__name__}: {exc}): reinstall guardrails"
-            print(f"  {'plugin':<13} error    {text}")
-            errors.append(text)
+            _error(errors, "plugin", text)
             continue
         allowed = _allowlist(engine, os.environ.get(allow_var))
         if allowed is not None and ENTRY_NAME not in allowed:

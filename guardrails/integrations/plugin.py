@@ -84,8 +84,7 @@ def install(engine: str) -> None:
     env = os.environ
     if not env.get("GUARDRAILS_CONFIG_FILE", "").strip():
         env["GUARDRAILS_CONFIG_FILE"] = str(profile(engine))
-    else:
-        launcher.absolute_config_file(env)
+    launcher.absolute_config_file(env)
     if not env.get("GUARDRAILS_METRICS_DIR") and _enabled():
         _own_metrics_dir(env)
     launcher.bootstrap(installed_by=f"plugin:{engine}")
