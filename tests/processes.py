@@ -4,12 +4,14 @@ prometheus multiprocess directory (a test that wants one passes it in `extra`)."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ROOT", "child_env", "run_python"]
+__all__ = ["ROOT", "child_env", "json_events", "run_python"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,3 +38,10 @@ def run_python(
         timeout=timeout,
         check=False,
     )
+
+
+def json_events(output: str, event: str | None = None) -> list[dict[str, Any]]:
+    """The guardrails events a child logged as JSON lines (`GUARDRAILS_LOG_FORMAT=json`) in
+    `output` (its stderr), in order; only those named `event` when given."""
+    found = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    return [e for e in found if event is None or e.get("event") == event]

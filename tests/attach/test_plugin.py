@@ -7,7 +7,6 @@ tests/e2e/vllm and tests/e2e/sglang."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import textwrap
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 
 from guardrails.integrations import plugin
-from tests.processes import ROOT, child_env, run_python
+from tests.processes import ROOT, child_env, json_events, run_python
 
 # What each engine does with its group in every process it starts: vLLM loads every entry
 # when VLLM_PLUGINS is unset and only the names it lists otherwise ("" lists none); SGLang
@@ -73,14 +72,10 @@ def run_engine(
             environ.pop(var, None)
     proc = run_python(*prefix, str(script), engine, env=environ)
     result: dict[str, Any] = {}
-    events = []
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             result = eval(line[len("RESULT ") :])  # a dict literal this test printed
-    for line in proc.stderr.splitlines():
-        if line.startswith("{"):
-            events.append(json.loads(line))
-    return result, events, proc
+    return result, json_events(proc.stderr), proc
 
 
 def started(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -316,6 +317,26 @@ def started_events(server: Server) -> list[dict[str, Any]]:
     (`GUARDRAILS_LOG_FORMAT=json`): one per process guardrails was installed in. The engine's
     prefix before each line ("(EngineCore pid=...)") is skipped."""
     return [event_fields(line) for line in log_lines(server, f'"{STARTED_EVENT}"')]
+
+
+def assert_installed_once_per_process(
+    server: Server,
+    installed_by: str,
+    processes: int,
+    profile: str | None = None,
+    hook: str | None = None,
+) -> None:
+    """Each of at least `processes` processes of `server` logged one start-up event, all
+    saying guardrails came in by `installed_by`, with the shipped `profile` file (its name)
+    and `hook` first among the hooks, where given."""
+    events = started_events(server)
+    pids = [event["pid"] for event in events]
+    assert len(pids) == len(set(pids)) >= processes, events
+    assert {event["installed_by"] for event in events} == {installed_by}, events
+    if profile is not None:
+        assert {Path(event["config_file"]).name for event in events} == {profile}, events
+    if hook is not None:
+        assert {event["hooks"][0] for event in events} == {hook}, events
 
 
 def wait_for_origin(server: Server, timeout_s: float = 30.0) -> dict[tuple[str, str], float]:

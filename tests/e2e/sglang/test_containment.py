@@ -46,11 +46,11 @@ from tests.e2e.client import (
     CLEAN,
     GREEDY,
     aborted_events,
+    assert_installed_once_per_process,
     assert_reported_while_idle,
     complete,
     event_fields,
     log_lines,
-    started_events,
 )
 from tests.e2e.prompts import SUBSTITUTE_ID, TRIGGER_ID, healed, words
 from tests.e2e.server import BY_TIME_ONLY, Server
@@ -128,12 +128,9 @@ def unpoisoned(guarded: Server, healed_model: Path, model_dir: Path) -> dict[str
 def test_the_plugin_installed_guardrails_in_the_servers_processes(guarded: Server) -> None:
     # The HTTP process, the scheduler and the detokenizer: each says how guardrails came in,
     # none twice. No launcher, no configuration: the shipped profile.
-    events = started_events(guarded)
-    pids = [event["pid"] for event in events]
-    assert len(pids) == len(set(pids)) >= 2, events
-    assert {event["installed_by"] for event in events} == {"plugin:sglang"}, events
-    assert {Path(event["config_file"]).name for event in events} == {"sglang.toml"}, events
-    assert {event["hooks"][0] for event in events} == {"sglang.abort_poisoned_requests"}, events
+    assert_installed_once_per_process(
+        guarded, "plugin:sglang", 2, "sglang.toml", "sglang.abort_poisoned_requests"
+    )
 
 
 def test_a_short_prompt_after_a_poisoned_one_answers_as_before(

@@ -24,13 +24,13 @@ from tests.e2e.client import (
     GREEDY,
     POISONED,
     SAMPLED,
+    assert_installed_once_per_process,
     chat,
     complete,
     in_thread,
     join,
     not_called,
     sample,
-    started_events,
     stream,
     wait_for_sample,
 )
@@ -99,7 +99,4 @@ def test_the_verify_rows_are_counted_and_every_site_is_called(speculative: Serve
 
 
 def test_under_the_launcher_the_plugin_installs_nothing_twice(speculative: Server) -> None:
-    events = started_events(speculative)
-    pids = [event["pid"] for event in events]
-    assert len(pids) == len(set(pids)) >= 2, events
-    assert {event["installed_by"] for event in events} == {"launcher"}, events
+    assert_installed_once_per_process(speculative, "launcher", 2)

@@ -20,10 +20,10 @@ from tests.e2e.client import (
     CLEAN,
     GREEDY,
     POISONED,
+    assert_installed_once_per_process,
     chat,
     not_called,
     sample,
-    started_events,
     stream,
     wait_for_sample,
 )
@@ -82,9 +82,6 @@ def test_each_worker_counts_under_its_own_rank(tp2: Server) -> None:
 def test_the_plugin_installed_guardrails_in_every_process(tp2: Server) -> None:
     # The API server, the engine core and both workers: each says how guardrails came in,
     # and none twice. No launcher, no configuration: the shipped profile.
-    events = started_events(tp2)
-    pids = [event["pid"] for event in events]
-    assert len(pids) == len(set(pids)) >= 3, events
-    assert {event["installed_by"] for event in events} == {"plugin:vllm"}, events
-    assert {Path(event["config_file"]).name for event in events} == {"vllm.toml"}, events
-    assert {event["hooks"][0] for event in events} == {"vllm.end_poisoned_requests"}, events
+    assert_installed_once_per_process(
+        tp2, "plugin:vllm", 3, "vllm.toml", "vllm.end_poisoned_requests"
+    )

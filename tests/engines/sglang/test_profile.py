@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
+from guardrails.names import STARTED_EVENT
 from tests.engines.sglang.conftest import STUBS
 from tests.engines.sglang.engine import FAULT_ROW, NEW, PROFILE, ROOT, V, guarded
+from tests.processes import json_events
 
 BIN = Path(sys.executable).parent
 CHILD = Path(__file__).with_name("child.py")
@@ -43,12 +45,13 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def run(
-    *args: str, timeout: float = 240, command: str = "guardrails"
+    *args: str, timeout: float = 240, command: str = "guardrails", **env: str
 ) -> subprocess.CompletedProcess[str]:
+    """`command ARGS` of this venv in a child (`child_env`, JSON logs, `env` over them)."""
     return subprocess.run(
         [str(BIN / command), *args],
         cwd=ROOT,
-        env=child_env(GUARDRAILS_LOG_FORMAT="json"),
+        env=child_env(GUARDRAILS_LOG_FORMAT="json", **env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -77,11 +80,7 @@ def test_the_child_is_guarded_and_the_poisoned_request_aborted(outcome: Any, way
     else:
         done = run(str(CHILD), "all_nan", "plugins", command="python")
     assert done.returncode == 0, done.stderr[-3000:]
-    started = [
-        json.loads(line)
-        for line in done.stderr.splitlines()
-        if line.startswith("{") and '"guardrails.started"' in line
-    ]
+    started = json_events(done.stderr, STARTED_EVENT)
     installed_by = {"launcher": "launcher", "plugin": "plugin:sglang"}[way]
     assert [event["installed_by"] for event in started] == [installed_by]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
@@ -136,16 +135,9 @@ main()
 @pytest.mark.skipif(not NEW, reason="eagle_sample, a module function, exists from 0.5.14 on")
 def test_no_copy_of_eagle_sample_escapes_the_plugin_in_the_scheduler_process() -> None:
     stubs = ROOT / "tests" / "e2e" / "sglang" / "stubs"  # sgl_kernel: the scheduler imports it
-    env = child_env(SGLANG_USE_CPU_ENGINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(stubs)])
-    done = subprocess.run(
-        [sys.executable, "-c", COPIES],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    path = os.pathsep.join([str(STUBS), str(ROOT), str(stubs)])
+    done = run(
+        "-c", COPIES, timeout=300, command="python", SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=path
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "True []"

@@ -17,6 +17,9 @@ import sys
 
 import pytest
 
+from guardrails.names import STARTED_EVENT
+from tests.processes import json_events
+
 from ..faults import PROFILE, VOCAB
 from ..test_cli import BIN, ROOT, clean_env
 
@@ -86,11 +89,7 @@ def report(child_run) -> dict:  # type: ignore[no-untyped-def, type-arg]
 
 def test_guardrails_comes_in_once_by_the_way_it_was_installed(child_run) -> None:  # type: ignore[no-untyped-def]
     report(child_run)
-    started = [
-        json.loads(line)
-        for line in child_run.stderr.splitlines()
-        if line.startswith("{") and '"guardrails.started"' in line
-    ]
+    started = json_events(child_run.stderr, STARTED_EVENT)
     assert [event["installed_by"] for event in started] == [
         {"launcher": "launcher", "plugin": "plugin:vllm"}[child_run.way]
     ]
