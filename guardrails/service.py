@@ -37,6 +37,7 @@ from guardrails.distribution import clash_advice, other_owners
 from guardrails.flags import CountKind
 from guardrails.reporting._reporter import Reporter
 from guardrails.reporting.hook_errors import HookErrors
+from guardrails.reporting.host_time import HostTime
 from guardrails.reporting.request_aborts import RequestAborts
 from guardrails.settings import GuardSettings
 from guardrails.settings.targets import newer_than_verified
@@ -243,6 +244,11 @@ class Guardrails:
     def hook_errors(self) -> HookErrors:
         """Where this instance's engine hooks count their own failures."""
         return self._recorders.hook_errors
+
+    @property
+    def host_time(self) -> HostTime:
+        """Host seconds guardrails' own code spent, by part (guardrails_host_seconds_total)."""
+        return self._reporter.host_time
 
     @property
     def request_aborts(self) -> RequestAborts:

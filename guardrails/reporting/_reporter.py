@@ -45,7 +45,7 @@ from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger, configure_json_logs
 from guardrails.names import REPORTING_ERROR_EVENT
-from guardrails.reporting import events, exposition, metrics
+from guardrails.reporting import events, exposition, host_time, metrics
 from guardrails.reporting.events import Event as _Event
 from guardrails.reporting.poller import Poller
 from guardrails.reporting.recorder import ReportingErrors
@@ -138,6 +138,8 @@ class Reporter:
         self._rank_settled = False  # see _resolve_rank
         self._faults = ReportingErrors(self._metrics, self._logger)
         self._closed = False
+        # What guardrails' own code costs on this host (guardrails_host_seconds_total).
+        self.host_time = host_time.HostTime()
         # Started by the first guarded call (`sampling`), see guardrails.reporting.poller.
         self._poller: Poller | None = None
         if settings.reporting.log_format == "json":
@@ -308,6 +310,7 @@ class Reporter:
         """The poller's call: `poll()` with the poller's copies on its own CUDA streams."""
         if self._closed:
             return
+        started = host_time.CLOCK()
         try:
             with self._lock:
                 devices = [
@@ -320,6 +323,8 @@ class Reporter:
                 self._report_locked(exact=False)
         except Exception as exc:
             self._fault("poll", exc)
+        # Counted at the next report (this one's increments are part of what it timed).
+        self.host_time.add("poller", host_time.CLOCK() - started)
 
     def _open_metrics(self, outbox: list[_Event]) -> None:
         binding = self._metrics.binding
@@ -537,6 +542,7 @@ class Reporter:
         return series
 
     def _report(self, *, exact: bool, outbox: list[_Event]) -> None:
+        self._report_host_time(outbox)  # first: a site that fails to report never holds it up
         # A copy of the list: a site made by a re-entrant call (see `_lock`) is not iterated.
         hits = []
         clean = False
@@ -548,6 +554,16 @@ class Reporter:
                 clean = True
         if self._traces:
             self._report_traces(hits, clean and not hits, outbox)
+
+    def _report_host_time(self, outbox: list[_Event]) -> None:
+        spent = self.host_time.unreported()
+        if not spent:
+            return
+        rank = self._resolve_rank(outbox)
+        for part, seconds in spent:
+            series = self._metrics.host_seconds.labels(part=part, rank=rank)
+            if not self._increment(series, seconds, outbox):
+                self.host_time.unreport(part, seconds)  # retried at the next report
 
     def _report_traces(self, hits: list[str], clean: bool, outbox: list[_Event]) -> None:
         """Tell each trace of this pass's hits, report the origin of an episode it holds,
@@ -635,7 +651,7 @@ class Reporter:
             self._maybe_log(report, fresh=fresh, final=exact, outbox=outbox)
         return fresh and report.site.kind == "logits"
 
-    def _increment(self, child: Any, delta: int, outbox: list[_Event]) -> bool:
+    def _increment(self, child: Any, delta: float, outbox: list[_Event]) -> bool:
         if child is None:
             return True  # a count that only appears in log events
         try:
@@ -703,6 +719,7 @@ class Reporter:
             calls = report.site.calls
             report.series.restart(calls)
             report.throttle.restart(calls)
+        self.host_time.restart()
         if polling and not self._closed:
             self._start_poller()  # on the child's own baselines
 

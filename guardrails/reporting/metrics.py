@@ -25,6 +25,8 @@ Contract (metric names and labels are fixed; see the design brief):
     guardrails_activation_peak_ratio{module, rank}         gauge: largest finite |output| of a
                                                            traced module / its dtype's largest
                                                            finite value (at most 8 modules)
+    guardrails_host_seconds_total{part, rank}              host seconds guardrails' own code
+                                                           spent, by part (reporting.host_time)
 
 Constant labels (`[metrics.labels]`, GUARDRAILS_METRICS_LABELS: the engine's `model_name`,
 `engine`, `tp_rank`) are added to every family after these, so guardrails' series carry the
@@ -178,6 +180,13 @@ FAMILIES: Final = (
         type="gauge",
         multiprocess_mode="livemax",
     ),
+    FamilySpec(
+        "host_seconds",
+        "guardrails_host_seconds",
+        "Host seconds guardrails' own code spent in this process, by part (site calls, attach "
+        "points, engine hook parts without the engine's call, the report poller).",
+        ("part", "rank"),
+    ),
 )
 METRIC_NAMES: Final = tuple(spec.sample for spec in FAMILIES)
 # Exported name -> label names: what dashboards and alert rules may select on.
@@ -269,6 +278,7 @@ class GuardMetrics:
     site_not_called: Family
     nonfinite_origin: Family
     activation_peak_ratio: Family
+    host_seconds: Family
     binding: _Binding
 
 

@@ -183,7 +183,9 @@ _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 # must not shadow.
 # Every label of guardrails' own families (reporting.metrics.FAMILIES; a test keeps them equal):
 # a constant label of the same name would make each increment of such a series fail.
-_OWN_LABELS = frozenset({"site", "kind", "reason", "rank", "stage", "target", "module", "hook"})
+_OWN_LABELS = frozenset(
+    {"site", "kind", "reason", "rank", "stage", "target", "module", "hook", "part"}
+)
 # RFC 1123 host name labels; the idna codec refuses longer ones with a UnicodeError at bind.
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 

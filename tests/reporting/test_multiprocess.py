@@ -253,6 +253,44 @@ def test_forked_child_reports_only_its_own_calls(multiproc_dir: Path) -> None:
     assert registry.get_sample_value("guardrails_nonfinite_values_total", nan) == 5
 
 
+FORKED_HOST_TIME = r"""
+import os, sys
+import prometheus_client  # the host's own: guardrails' series open in multiprocess mode
+import guardrails as gr
+
+guards = gr.Guardrails(gr.GuardSettings())
+guards.host_time.add("test:parent", 0.5)  # spent before the fork, not yet reported
+pid = os.fork()
+if pid == 0:
+    guards.host_time.add("test:child", 0.25)
+    guards.close()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+guards.host_time.add("test:parent", 0.125)
+guards.close()
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_counts_only_its_own_host_time(multiproc_dir: Path) -> None:
+    # The parent's seconds spent before the fork are the parent's to report: summed over the
+    # processes' files, nothing is counted twice.
+    env = worker_env(multiproc_dir, 0)
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_HOST_TIME],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    registry = aggregate(multiproc_dir)
+    host = "guardrails_host_seconds_total"
+    assert registry.get_sample_value(host, {"part": "test:parent", "rank": "0"}) == 0.625
+    assert registry.get_sample_value(host, {"part": "test:child", "rank": "0"}) == 0.25
+
+
 def test_constant_labels_reach_the_engines_endpoint_per_worker(multiproc_dir: Path) -> None:
     # vLLM and SGLang label their own series model_name / engine / tp_rank; each worker is
     # told its own through GUARDRAILS_METRICS_LABELS, and the engine's collector (no extra
