@@ -24,11 +24,10 @@ class HealSpec:
 class LogitsKernel(Protocol):
     """One detect+count+heal implementation.
 
-    A kernel may also have `check(x, flags, ws) -> bool`: a host-side clean check the site
-    runs first on the CPU. True: `x` is proved clean and `flags` are settled, the call is
-    done; False: the call goes on to `__call__` (which may reuse what the check learnt). And
-    `check_rows(x, rows, vocab, dtype, flags, ws) -> bool`, the same for a 2-d `x` whose
-    shape and dtype the site has read (its short path for a clean CPU batch).
+    A kernel may also have `check_rows(x, rows, vocab, dtype, flags, ws) -> bool`: a
+    host-side clean check the site runs first on a 2-d `x` whose shape and dtype it has read.
+    True: `x` is proved clean and `flags` are settled, the call is done; False: the call goes
+    on to `__call__` (which may reuse what the check learnt).
     """
 
     name: str

@@ -24,7 +24,6 @@ __all__ = [
     "MAX_CACHED_VIEWS",
     "RECLAIM_AT",
     "Buffers",
-    "CleanCheck",
     "DeviceState",
     "Key",
     "RowsCheck",
@@ -37,9 +36,8 @@ __all__ = [
 get_ident: Final = threading.get_ident
 # Who owns a set of buffers: a thread id, or on CUDA (thread id, stream id).
 Key = int | tuple[int, int]
-# A kernel's host-side clean check (see LogitsKernel): (x, flags, workspace) -> clean.
-CleanCheck = Callable[[torch.Tensor, torch.Tensor, Any], bool]
-# The same for 2-d logits the caller has read: (x, rows, vocab, dtype, flags, workspace).
+# A kernel's host-side clean check of 2-d logits whose shape and dtype the caller has read
+# (see LogitsKernel): (x, rows, vocab, dtype, flags, workspace) -> clean.
 RowsCheck = Callable[[torch.Tensor, int, int, torch.dtype, torch.Tensor, Any], bool]
 MAX_CACHED_VIEWS: Final = 64
 # Threads with buffers on one device before those of threads that have ended are reclaimed.
@@ -80,8 +78,8 @@ class Buffers:
         # Only now that both exist: an allocation that fails leaves the buffers as they were.
         if self.capacity and retired is not None:
             retired.append((self.flags, self.workspace))
-        # The views first, then the workspace: the site's short path reads them unlocked in
-        # the other order, so it gets the old workspace with old flags, or no view at all.
+        # Replaced together under the site's lock, which a call holds while it reads them: the
+        # flags a call gets always go with the workspace it gets.
         self.views: dict[int, torch.Tensor] = {}
         self.flags = flags
         self.workspace = ws
@@ -99,7 +97,6 @@ class DeviceState:
     __slots__ = (
         "buffers",
         "capacity",
-        "check",
         "check_rows",
         "counts",
         "device",
@@ -117,7 +114,6 @@ class DeviceState:
         self.device = device
         self.kernel = kernel  # None at token-id sites
         # The kernel's host-side clean check, where it has one (see LogitsKernel).
-        self.check: CleanCheck | None = getattr(kernel, "check", None)
         self.check_rows: RowsCheck | None = getattr(kernel, "check_rows", None)
         self.counts = DeviceCounts(device, slots)
         self.capacity = capacity  # rows every thread's buffers hold at least

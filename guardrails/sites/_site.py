@@ -1,37 +1,15 @@
 """Named sampling sites: the objects a guarded call goes through.
 
-A site is built once from settings and bakes them in: an enabled logits site holds one
-`HealSpec` per accepted dtype and the kernel for each device; a disabled site is a different
-class whose call returns None without looking at its argument. Per device, a site owns
-persistent buffers (int64 counts, host mirror; per calling thread, and on CUDA per thread and
-stream, row flags and the kernel workspace that goes with them; `guardrails.sites._buffers`)
-made when the site first sees that device, thread or stream or when `reserve()` is called,
-never inside a CUDA-graph capture.
-
-The flags a call returns belong to the calling thread (on CUDA: to the thread and its current
-stream): a view of that buffer, valid until the same thread's next call of that site on the
-same device (and stream), like a CUDA graph's static output, whatever other threads and
-streams do meanwhile; clone them to keep them longer. Per stream on CUDA because two streams
-running the guard at once must not share the Triton kernel's per-row words. A capture on a
-stream the thread has not called on yet (`torch.cuda.graph` captures on a side stream) takes a
-spare made by `reserve()`, else it is refused with a RuntimeError naming `reserve()`: nothing
-is allocated inside a capture.
-
-Refused before anything is touched or any state is made (`guardrails.sites._inputs` says what
-and raises it): a dtype the site does not accept, a sparse or nested tensor, the meta device or
-one other than the site's pinned device, logits without a vocab dimension, and, when healing,
-memory that overlaps itself. A forked child re-makes every site's lock (`guardrails._process`);
-what another thread was writing at the fork was its own buffers.
-
-The two hot paths, `LogitsSite.__call__` and `TokenSite.__call__`, mirror each other step for
-step and are written out in full on purpose (each Python call saved counts at batch 1): dtype
-check; the compiled branch (one opaque op); the plain-tensor test and the slow layout check;
-the row count (the plain count, then `checked_*_rows` for its error); the device state; under
-the site lock the caller's buffers, the guard and the call counter; then reporting outside the
-lock. A change to one is a change to the other. `LogitsSite.__call__` also opens with a short
-path for a clean CPU batch (the CPU kernel's one-sum check, about half the Python steps of the
-full path): the same tests in fewer steps, taken only where the full path would have found the
-same buffers and the same flags view; anything else goes on to the full path.
+A site is built once from settings and bakes them in: an enabled logits site holds a
+`HealSpec` per accepted dtype and a kernel per device; a `DisabledSite`'s call returns None.
+Per device a site owns the counts and, per calling thread (on CUDA per thread and stream), row
+flags and a kernel workspace (`guardrails.sites._buffers`), made at first use or by
+`reserve()`, never inside a CUDA-graph capture. A call returns a view of the caller's flags,
+valid until that thread's (and stream's) next call of the site; clone them to keep them.
+Refused before anything is touched (`guardrails.sites._inputs`): a dtype the site does not
+accept, a sparse or nested tensor, the meta device or one other than the pinned device, logits
+without a vocab dimension, and when healing memory that overlaps itself. Each call's steps,
+in order: docs/performance.md, "A site's call path".
 """
 
 from __future__ import annotations
@@ -54,7 +32,6 @@ from guardrails.sites import ops
 from guardrails.sites._buffers import (
     Buffers,
     DeviceState,
-    RowsCheck,
     get_ident,
     normalise,
     thread_of,
@@ -64,7 +41,6 @@ from guardrails.sites._inputs import (
     checked_logits_rows,
     checked_token_rows,
     checked_vocab,
-    leading_rows,
     logits_type_error,
     refuse_device,
     refuse_layout,
@@ -116,9 +92,6 @@ class _SiteBase:
         self._lock = _process.rlock(self, "_lock")
         self._states: dict[torch.device, DeviceState] = {}
         self._state: DeviceState | None = None  # the last device used: the common case
-        # The CPU state when its kernel has a host-side clean check: `LogitsSite.__call__`'s
-        # short path (a clean CPU batch from a thread that has called with this row count).
-        self._cpu: tuple[DeviceState, RowsCheck] | None = None
         self._pinned_device = None if device is None else torch.device(device)
         self._calls = 0
         self.last_dtype: torch.dtype | None = None
@@ -152,8 +125,6 @@ class _SiteBase:
                     )
                 state = DeviceState(device, max(rows, 1), len(self.slots), kernel)
                 self._states[device] = state
-                if device.type == "cpu" and state.check_rows is not None:
-                    self._cpu = state, state.check_rows
                 if self._reporter is not None:
                     self._reporter.track(self, state.counts)
             else:
@@ -307,63 +278,59 @@ class LogitsSite(_SiteBase):
         return self._specs[dtype]
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        # The short path: a clean CPU batch, one sum and nothing written, from a thread that
-        # has called before with this row count. Everything the full path checks first is
-        # checked here too (or a call with it never reaches here: a refused layout has no
-        # view), in as few Python steps as possible: right after an engine's forward pass
-        # has evicted the caches each step costs about 1 us, not 0.1 (benchmarks/README.md).
-        checked = False
-        # Compiled code never reads `_cpu` (Dynamo would guard on it and trace again once set).
-        if not _compiling() and (cpu := self._cpu) is not None:
-            rows = -1
-            # Not two dimensions: a ValueError from unpacking; a sparse or nested tensor: a
-            # RuntimeError. The full path says what is wrong, if anything.
-            try:
-                if (
-                    type(logits) is _TENSOR
-                    and logits.is_cpu
-                    and (dtype := logits.dtype) in self._specs
-                ):
-                    count, vocab = logits.shape
-                    row_stride, step = logits.stride()
-                    # Rows of adjacent values that do not overlap, contiguous or not (vLLM's
-                    # `[:, :vocab]` of a padded LM head): what the full path accepts too.
-                    if step == 1 and (row_stride >= vocab or count <= 1):
-                        rows = count
-            except (ValueError, RuntimeError):
-                rows = -1
-            home, clean = cpu
-            buffers = home.buffers.get(get_ident()) if rows >= 0 else None
-            # Unlocked: the workspace before the flags, which `Buffers._allocate` (a reserve
-            # from another thread) replaces in the other order, so that the two always agree.
-            ws = buffers.workspace if buffers is not None else None
-            if buffers is not None and (flags := buffers.views.get(rows)) is not None:
-                if clean(logits, rows, vocab, dtype, flags, ws):
-                    with self._lock:
-                        calls = self._calls = self._calls + 1
-                        buffers.recent, buffers.recent_call = flags, calls
-                    # The first counted call can be a short one (the call before it raised,
-                    # under async_assert): it starts the poller, as on the full path.
-                    if calls % self._every == 0 or calls == 1:
-                        self._report(logits, home, due=calls % self._every == 0)
-                    return flags
-                # Not proved clean (not finite, or float16 or a large batch, which the check
-                # leaves to the kernel): the full path guards without asking it again.
-                checked = True
-        # The full path: a few attribute reads around one kernel call (B=1 decode on a GPU
-        # pays every one of them).
         try:
-            spec = self._specs.get(logits.dtype)
+            spec = self._specs.get(dtype := logits.dtype)
         except AttributeError:
             spec = None
         if spec is None:
             raise logits_type_error(self.name, logits, self._specs)
         if _compiling():
-            # Traced code keeps the call as one opaque op (see guardrails.sites.ops); the rest of
-            # this method would be specialised on the tensors seen while tracing. The dtype
-            # check above stays in the traced code (a TypeError as in eager code); the op's
-            # fake implementation raises the shape's ValueError while tracing.
+            # Traced code keeps the call as one opaque op (see guardrails.sites.ops), whose
+            # eager run is this method; the rest of it would be specialised on the tensors
+            # seen while tracing. The dtype check above stays in the traced code (a TypeError
+            # as in eager code); the op's fake implementation raises the shape's ValueError.
             return torch.ops.guardrails.guard_logits_(logits, self._op_key)  # type: ignore[no-any-return]
+        # Rows of adjacent values that do not overlap (a 2-d batch, contiguous or vLLM's
+        # `[:, :vocab]` of a padded LM head) need no other look at the layout. Not two
+        # dimensions: a ValueError from unpacking; sparse or nested: a RuntimeError.
+        try:
+            rows, vocab = logits.shape
+            row_stride, step = logits.stride()
+        except (ValueError, RuntimeError):
+            step = 0
+        if step != 1 or type(logits) is not _TENSOR or (row_stride < vocab and rows > 1):
+            rows, vocab = self._rows(logits)
+        state = self._state
+        if state is None or logits.device != state.device:
+            state = self._state_for(logits)
+        with self._lock:
+            key = get_ident() if not state.streams else state.key()
+            buffers = state.last if state.owner == key else state.buffers_for(key, self.name)
+            flags = buffers.views.get(rows)
+            if flags is None:
+                flags = state.flags_view(buffers, rows, self.name)
+            ws = buffers.workspace
+            check = state.check_rows
+            # A clean small CPU batch is done here: one sum, nothing written. Otherwise
+            # the kernel, which reuses what the check learnt.
+            if check is None or vocab < 0 or not check(logits, rows, vocab, dtype, flags, ws):
+                if logits.requires_grad or logits.is_inference():
+                    with _writable(logits):
+                        self._guard(logits, rows, spec, state, flags, ws)
+                else:
+                    self._guard(logits, rows, spec, state, flags, ws)
+            calls = self._calls = self._calls + 1
+            buffers.recent, buffers.recent_call = flags, calls  # what `recent()` reads
+        if calls % self._every == 0 or calls == 1:
+            # Outside the site lock: a tick may log and write metrics (host code). The
+            # first counted call starts the poller, also after calls that raised.
+            self._report(logits, state, due=calls % self._every == 0)
+        return flags
+
+    def _rows(self, logits: torch.Tensor) -> tuple[int, int]:
+        """`(rows, vocab)` of logits that are not a plain 2-d batch, after the slow layout
+        check; `vocab` is -1 unless they have two dimensions (the kernel then runs its own
+        clean check). Raises the call's error for what it refuses."""
         # A plain contiguous tensor is dense and strided and cannot overlap itself: the slow
         # check only for others (sparse compressed layouts raise from is_contiguous).
         try:
@@ -372,39 +339,8 @@ class LogitsSite(_SiteBase):
             plain = False
         if not plain:
             refuse_layout(self.name, logits, self._sanitize, "logits")
-        # `logits_rows` written out: one Python call less on every guarded call.
-        try:
-            vocab = logits.shape[-1]
-        except (IndexError, RuntimeError):
-            checked_logits_rows(self.name, logits)  # the 0-d error, or a nested refusal
-            raise
-        rows = logits.numel() // vocab if vocab else leading_rows(logits)
-        state = self._state
-        if state is None or logits.device != state.device:
-            state = self._state_for(logits)
-        with self._lock:
-            key = get_ident() if not state.streams else state.key()
-            buffers = state.last if state.owner == key else state.buffers_for(key, self.name)
-            flags = buffers.views.get(rows)
-            check = state.check
-            # A clean CPU batch is done here: one sum, nothing written.
-            if (
-                checked
-                or flags is None
-                or check is None
-                or not check(logits, flags, buffers.workspace)
-            ):
-                if logits.requires_grad or logits.is_inference():
-                    with _writable(logits):
-                        flags = self._guard(logits, rows, spec, state, buffers)
-                else:
-                    flags = self._guard(logits, rows, spec, state, buffers)
-            calls = self._calls = self._calls + 1
-            buffers.recent, buffers.recent_call = flags, calls  # what `recent()` reads
-        if calls % self._every == 0 or calls == 1:
-            # Outside the site lock: a tick may log and write metrics (host code).
-            self._report(logits, state, due=calls % self._every == 0)
-        return flags
+        rows = checked_logits_rows(self.name, logits)  # the 0-d error, or a nested refusal
+        return rows, logits.shape[-1] if logits.dim() == 2 else -1
 
     def rows_of(self, logits: torch.Tensor) -> int:
         """The number of row flags a call on `logits` returns (what compiled code is traced
@@ -422,20 +358,17 @@ class LogitsSite(_SiteBase):
         rows: int,
         spec: HealSpec,
         state: DeviceState,
-        buffers: Buffers,
-    ) -> torch.Tensor:
+        flags: torch.Tensor,
+        ws: Any,
+    ) -> None:
         kernel = state.kernel
         assert kernel is not None  # a logits site always has one (for mypy)
-        flags = buffers.views.get(rows)
-        if flags is None:
-            flags = state.flags_view(buffers, rows, self.name)
         if rows:
             # An empty vocabulary too: every kernel flags and counts such rows (no entry to
             # sample from) and writes nothing.
-            kernel(logits, flags, state.counts.counts, spec, buffers.workspace)
+            kernel(logits, flags, state.counts.counts, spec, ws)
         if self._assert_msg is not None:
             torch._assert_async(flags.bitwise_and(_ASSERTED).eq(0).all(), self._assert_msg)
-        return flags
 
 
 class TokenSite(_SiteBase):

@@ -606,13 +606,13 @@ def test_as_strided_views_are_refused_exactly_when_they_overlap(
 def test_clean_views_after_clean_calls_get_the_verdict_of_their_layout(
     storage: int, size: tuple[int, ...], stride: tuple[int, ...], overlaps: bool
 ) -> None:
-    """The CPU short path (a clean batch from a thread that has called with its row count)
-    accepts what the full path accepts and nothing else: a clean view that overlaps itself is
-    still refused when healing."""
+    """A clean 2-d view read from its shape and strides alone (a thread that has called with
+    its row count: buffers and flags ready) gets the verdict of the full layout check and no
+    other: a clean view that overlaps itself is still refused when healing."""
     x = torch.zeros(storage).as_strided(size, stride)
     with fresh_guardrails() as guards:
         site = guards.site("sampler.logits")
-        for _ in range(2):  # the buffers and the flags view for these rows, then the short path
+        for _ in range(2):  # the buffers and the flags view for these rows, then a warm call
             assert site(torch.zeros(size)).tolist() == [0] * size[0]
         if overlaps:
             with pytest.raises(ValueError, match="overlaps itself"):
@@ -632,29 +632,37 @@ def test_clean_views_after_clean_calls_get_the_verdict_of_their_layout(
         assert site(x).tolist() == [int(RowFlag.NAN | RowFlag.NO_VALID_TOKEN)] * size[0]
 
 
-def test_a_reserve_between_the_short_paths_reads_never_returns_stale_flags() -> None:
-    """The short path reads a thread's flags and workspace without the site lock. A
-    `reserve()` from another thread between those two reads (here: run from inside the flags
-    look-up) re-allocates both; the call must not pair the last call's dirty flags with the
-    fresh workspace, which says they hold nothing (a clean batch came back flagged
-    NAN|NO_VALID_TOKEN, and a hook with abort_on = ["no_valid_token"] would end it)."""
-    from threading import get_ident
+def test_a_reserve_from_another_thread_during_a_call_never_returns_stale_flags() -> None:
+    """A call reads its thread's flags and workspace under the site lock. A `reserve()` from
+    another thread started while the call looks its flags up re-allocates both; the call must
+    not pair the last call's dirty flags with the fresh workspace, which says they hold
+    nothing (a clean batch came back flagged NAN|NO_VALID_TOKEN, and a hook with
+    abort_on = ["no_valid_token"] would end it)."""
+    import threading
 
     dirty = int(RowFlag.NAN | RowFlag.NO_VALID_TOKEN)
     with fresh_guardrails() as guards:
         site = guards.site("sampler.logits")
         assert site(torch.zeros(4, 8)).tolist() == [0] * 4  # buffers and the view for 4 rows
         assert site(torch.full((4, 8), math.nan)).tolist() == [dirty] * 4
-        buffers = site._cpu[0].buffers[get_ident()]  # type: ignore[index]
+        buffers = site._state.buffers[threading.get_ident()]  # type: ignore[union-attr]
+        capacity = buffers.capacity
+        started: list[threading.Thread] = []
 
         class ReserveDuringLookUp(dict):  # type: ignore[type-arg]
             def get(self, key: Any, default: Any = None) -> Any:
                 found = super().get(key, default)
-                site.reserve(buffers.capacity * 4, "cpu")  # another thread, at this moment
+                if not started:
+                    other = threading.Thread(target=site.reserve, args=(capacity * 4, "cpu"))
+                    started.append(other)
+                    other.start()
+                    other.join(0.5)  # done by now, unless the call holds the site lock
                 return found
 
         buffers.views = ReserveDuringLookUp(buffers.views)
         assert site(torch.zeros(4, 8)).tolist() == [0] * 4
+        started[0].join()
+        assert buffers.capacity == capacity * 4  # the reserve did happen
 
 
 def test_a_layout_seen_before_gets_the_same_verdict_and_no_other_layout_shares_it() -> None:
@@ -729,7 +737,7 @@ SPARSE_AND_NESTED = {
     "sparse_coo": (lambda x: x.to_sparse(), "sparse_coo tensor"),
     "sparse_csr": (lambda x: x.to_sparse_csr(), "sparse_csr tensor"),
     "nested": (lambda x: torch.nested.nested_tensor([x[:1], x[1:]]), "nested tensor"),
-    # Two dimensions, like a batch of logits: what the site's short path sees first.
+    # Two dimensions, like a batch of logits: what the site reads from shape and strides first.
     "nested_rows": (lambda x: torch.nested.nested_tensor(list(x.unbind())), "nested tensor"),
     "nested_jagged": (
         lambda x: torch.nested.nested_tensor([x[:1], x[1:]], layout=torch.jagged),
@@ -749,7 +757,7 @@ def test_sparse_and_nested_logits_are_a_type_error_naming_the_layout(
     with fresh_guardrails(sanitize=sanitize) as guards:
         site = guards.site("sampler.logits")
         # Warm: clean dense calls with every row count these tensors could show first, so
-        # the CPU short path has buffers and flags views ready for them.
+        # the site has buffers and flags views ready for them.
         warm_calls = [site(torch.zeros(rows, 8)) for rows in (2, 3)] if warm else []
         with pytest.raises(TypeError, match=f"dense strided tensor, got a {expected}"):
             site(x)

@@ -118,8 +118,8 @@ def test_a_nan_that_raised_under_async_assert_arrives_while_clean_calls_follow(
     make: Callable[..., gr.Guardrails], registry: CollectorRegistry
 ) -> None:
     """On the CPU the first call's assert raises, so it is not counted as a call; every clean
-    call after it takes the short path. The NaN it counted still reaches the counter within
-    the interval (the short path starts the poller too)."""
+    call after it is proved clean by the one-sum check. The NaN it counted still reaches the
+    counter within the interval (the first counted call starts the poller, clean or not)."""
     site = make(async_assert=True).site(LOGITS)
     with pytest.raises(RuntimeError):
         site(dirty())
