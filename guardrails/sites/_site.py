@@ -8,8 +8,9 @@ flags and a kernel workspace (`guardrails.sites._buffers`), made at first use or
 valid until that thread's (and stream's) next call of the site; clone them to keep them.
 Refused before anything is touched (`guardrails.sites._inputs`): a dtype the site does not
 accept, a sparse or nested tensor, the meta device or one other than the pinned device, logits
-without a vocab dimension, and when healing memory that overlaps itself. Each call's steps,
-in order: docs/performance.md, "A site's call path".
+without a vocab dimension, and when healing memory that overlaps itself. An enabled site's
+call adds its host time to guardrails_host_seconds_total{part="site:<name>"}. Each call's
+steps, in order: docs/performance.md, "A site's call path".
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from guardrails.kernels.select import select_logits_kernel
 from guardrails.kernels.token_ids import guard_token_ids_
 from guardrails.kernels.values import posinf_replacement
 from guardrails.names import validate_site_name
+from guardrails.reporting.host_time import CLOCK, HostTime
 from guardrails.reporting.mirror import DeviceCounts
 from guardrails.sites import ops
 from guardrails.sites._buffers import (
@@ -92,6 +94,12 @@ class _SiteBase:
         self._lock = _process.rlock(self, "_lock")
         self._states: dict[torch.device, DeviceState] = {}
         self._state: DeviceState | None = None  # the last device used: the common case
+        # Each call adds its own host time, the reporter's tick included, to
+        # guardrails_host_seconds_total{part="site:<name>"} (`Reporter.host_time`; the dict
+        # is that object's for its lifetime, so it is looked up once, here).
+        host_time = reporter.host_time if reporter is not None else HostTime()
+        self._spent = host_time.spent
+        self._time_part = f"site:{self.name}"
         self._pinned_device = None if device is None else torch.device(device)
         self._calls = 0
         self.last_dtype: torch.dtype | None = None
@@ -290,6 +298,7 @@ class LogitsSite(_SiteBase):
             # seen while tracing. The dtype check above stays in the traced code (a TypeError
             # as in eager code); the op's fake implementation raises the shape's ValueError.
             return torch.ops.guardrails.guard_logits_(logits, self._op_key)  # type: ignore[no-any-return]
+        t0 = CLOCK()
         # Rows of adjacent values that do not overlap (a 2-d batch, contiguous or vLLM's
         # `[:, :vocab]` of a padded LM head) need no other look at the layout. Not two
         # dimensions: a ValueError from unpacking; sparse or nested: a RuntimeError.
@@ -325,6 +334,9 @@ class LogitsSite(_SiteBase):
             # Outside the site lock: a tick may log and write metrics (host code). The
             # first counted call starts the poller, also after calls that raised.
             self._report(logits, state, due=calls % self._every == 0)
+        # HostTime.add written out: one dict update, no frame.
+        spent = self._spent
+        spent[self._time_part] = spent.get(self._time_part, 0.0) + (CLOCK() - t0)
         return flags
 
     def _rows(self, logits: torch.Tensor) -> tuple[int, int]:
@@ -439,6 +451,7 @@ class TokenSite(_SiteBase):
             # run checks it, as the line below does here.
             vocab_arg = self.vocab_size if vocab_size is None else vocab_size
             return torch.ops.guardrails.guard_token_ids_(token_ids, self._op_key, vocab_arg)  # type: ignore[no-any-return]
+        t0 = CLOCK()
         vocab = (
             self.vocab_size
             if vocab_size is None
@@ -471,6 +484,9 @@ class TokenSite(_SiteBase):
         if calls % self._every == 0 or calls == 1:
             # Outside the site lock: a tick may log and write metrics (host code).
             self._report(token_ids, state, due=calls % self._every == 0)
+        # HostTime.add written out: one dict update, no frame.
+        spent = self._spent
+        spent[self._time_part] = spent.get(self._time_part, 0.0) + (CLOCK() - t0)
         return flags
 
     def rows_of(self, token_ids: torch.Tensor) -> int:

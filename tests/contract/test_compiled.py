@@ -181,6 +181,21 @@ def test_fullgraph_compiles_with_no_graph_break() -> None:
     assert int(ids[0]) == 0  # the uniform row's first entry: argmax of all zeros
 
 
+def test_compiled_calls_add_host_time_from_the_ops_eager_run() -> None:
+    """The clock is read after the compile branch: nothing of it is traced (no graph break
+    under fullgraph), and each run of the compiled op times the eager call it makes."""
+    guards = fresh_guardrails()
+    site = guards.site("sampler.logits")
+    compiled = torch.compile(lambda x: site(x), fullgraph=True)
+    compiled(torch.randn(4, 32))
+    spent = guards.host_time.spent
+    first = spent["site:sampler.logits"]
+    assert first > 0
+    compiled(torch.randn(4, 32))
+    assert spent["site:sampler.logits"] > first
+    assert site.calls == 2
+
+
 def test_dynamic_shapes_cover_every_batch_size_with_one_graph() -> None:
     guards = fresh_guardrails()
     site = guards.site("sampler.logits")

@@ -135,6 +135,34 @@ def test_tensor_on_another_device_than_the_site_is_a_value_error() -> None:
             site(torch.full((2, 4), math.nan, device="meta"))
 
 
+# -- host time ------------------------------------------------------------------------------
+
+
+def test_every_call_adds_its_host_time_under_its_sites_part() -> None:
+    with fresh_guardrails() as guards:
+        logits = guards.site("sampler.logits")
+        tokens = guards.token_site("sampler.token_ids", vocab_size=8)
+        spent = guards.host_time.spent
+        assert "site:sampler.logits" not in spent  # a site that has not run spent nothing
+        logits(torch.zeros(2, 8))
+        tokens(torch.zeros(2, dtype=torch.int64))
+        first = spent["site:sampler.logits"], spent["site:sampler.token_ids"]
+        assert min(first) > 0
+        logits(torch.full((2, 8), math.nan))  # dirty: the kernel's time too
+        tokens(torch.tensor([3, 99]))
+        assert spent["site:sampler.logits"] > first[0]
+        assert spent["site:sampler.token_ids"] > first[1]
+
+
+def test_a_disabled_site_spends_no_host_time() -> None:
+    with fresh_guardrails(disabled_sites=["sampler.*"]) as guards:
+        site = guards.site("sampler.logits")
+        tokens = guards.token_site("sampler.token_ids", vocab_size=8)
+        site(torch.zeros(2, 8))
+        tokens(torch.zeros(2, dtype=torch.int64))
+        assert not any(part.startswith("site:") for part in guards.host_time.spent)
+
+
 # -- modes ----------------------------------------------------------------------------------
 
 
