@@ -127,11 +127,24 @@ class Guardrails:
     def guard_output(
         self, site: str, *, select: Callable[[Any], torch.Tensor] | None = None
     ) -> Callable[[F], GuardedFunction]:
-        """Decorator: guard the logits a function returns, in place, at `site`."""
-        target = self.site(site)
+        """Decorator: guard the logits a function returns, in place, at `site` (`select`
+        finds them in the result; default: a tensor, `.logits`, `["logits"]` or the first
+        element). An `async def` stays one; its awaited result is guarded."""
+        target, host_time = self.site(site), self.host_time
 
         def decorate(func: F) -> GuardedFunction:
-            return GuardedFunction(func, target, select=select)
+            return GuardedFunction(func, target, select=select, host_time=host_time)
+
+        return decorate
+
+    def guard_input(self, site: str, *, arg: str = "logits") -> Callable[[F], GuardedFunction]:
+        """Decorator: guard the argument `arg` in place at `site` before each call, so the
+        function sees healed logits (an `async def` or generator function: when it starts).
+        `ValueError` at decoration when the function has no argument of that name."""
+        target, host_time = self.site(site), self.host_time
+
+        def decorate(func: F) -> GuardedFunction:
+            return GuardedFunction(func, target, arg=arg, host_time=host_time)
 
         return decorate
 

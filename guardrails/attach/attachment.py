@@ -120,7 +120,13 @@ class Attachment:
         owner = self._guards()
         for point in heartbeat_points(settings):
             on_point_error = self._recorders.on_point_error(point, on_error)
-            handle = HeartbeatHandle(point, self._liveness, on_point_error, lambda: owner.closed)
+            handle = HeartbeatHandle(
+                point,
+                self._liveness,
+                on_point_error,
+                lambda: owner.closed,
+                self._reporter.host_time,
+            )
             self._heartbeats.append(handle)
             handle.install()
 

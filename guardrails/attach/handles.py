@@ -2,22 +2,28 @@
 
 Every attach returns something with `.remove()` that also works as a context manager, like
 torch's `RemovableHandle`: a decorated function (`GuardedFunction`, which stops guarding once
-removed) or a `Handle` for a forward hook or a patched attribute.
+removed; `guard_output` / `guard_input`) or a `Handle` for a forward hook or a patched
+attribute.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from guardrails._removable import Removable
+from guardrails.attach.wrapping import around
+from guardrails.reporting.host_time import CLOCK
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from guardrails.reporting.host_time import HostTime
 
 __all__ = ["GuardedFunction", "Handle", "Removable", "SiteCall", "attach_module", "logits_of"]
 
@@ -75,10 +81,15 @@ class Handle(Removable):
 
 
 class GuardedFunction(Removable):
-    """A function whose returned logits are guarded in place; `.remove()` stops guarding.
+    """A function whose logits are guarded in place at `site` on every call: those it returns
+    (`select` finds them in the result), or, with `arg`, the argument of that name before the
+    call (the callee sees them healed). `.remove()` stops guarding.
 
-    An `async def` stays one: the call returns a coroutine, whose result is guarded once it is
-    awaited, and `inspect.iscoroutinefunction` says so."""
+    Wrapped by `guardrails.attach.wrapping.around`, as every attach is: an `async def` stays
+    one (its awaited result is guarded), a generator function guards its argument when it
+    starts (guarding what it returns raises `TypeError`), and a method binds like a function.
+    Each call's own work around the site call (finding the logits) goes to
+    `guardrails_host_seconds_total{part="attach:<site>"}` when `host_time` is given."""
 
     def __init__(
         self,
@@ -86,14 +97,43 @@ class GuardedFunction(Removable):
         site: SiteCall,
         *,
         select: Callable[[Any], torch.Tensor] | None = None,
+        arg: str | None = None,
+        host_time: HostTime | None = None,
     ) -> None:
         functools.update_wrapper(self, func)
         self.__wrapped__ = func
         self.site = site
-        self._select = select or logits_of
         self.active = True
-        self._async = inspect.iscoroutinefunction(func)
-        if self._async:
+        add = None if host_time is None else host_time.add
+        part = f"attach:{site.name}"
+
+        def guard(value: Any, find: Callable[[Any], Any]) -> None:
+            if not self.active:
+                return
+            if add is None:
+                found = find(value)
+            else:
+                start = CLOCK()
+                found = find(value)
+                add(part, CLOCK() - start)
+            if found is not None:
+                site(found)
+
+        if arg is None:
+            pick = select or logits_of
+
+            def after(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+                guard(result, pick)
+
+            self._call = around(func, after=after)
+        else:
+            read = _argument_reader(func, arg)
+
+            def before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                guard((args, kwargs), read)
+
+            self._call = around(func, before=before)
+        if inspect.iscoroutinefunction(func):
             # Function-like to `inspect` with the wrapped code (its CO_COROUTINE flag), so that
             # a caller asking whether to await it (an event loop, a web framework) is told yes.
             self.__code__ = func.__code__
@@ -101,30 +141,44 @@ class GuardedFunction(Removable):
             self.__kwdefaults__ = getattr(func, "__kwdefaults__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._async:
-            return self._guarded_await(*args, **kwargs)
-        result = self.__wrapped__(*args, **kwargs)
-        if self.active:
-            self.site(self._select(result))
-        return result
-
-    async def _guarded_await(self, *args: Any, **kwargs: Any) -> Any:
-        result = await self.__wrapped__(*args, **kwargs)
-        if self.active:
-            self.site(self._select(result))
-        return result
+        return self._call(*args, **kwargs)
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         # Decorating a method: bind like a function would (a coroutine function stays one).
         if instance is None:
             return self
-        return functools.partial(self._guarded_await if self._async else self.__call__, instance)
+        return types.MethodType(self._call, instance)
 
     def remove(self) -> None:
         self.active = False
 
     def __enter__(self) -> GuardedFunction:
         return self
+
+
+def _argument_reader(
+    func: Callable[..., Any], name: str
+) -> Callable[[tuple[tuple[Any, ...], dict[str, Any]]], Any]:
+    """(args, kwargs) -> the argument `name` of a call of `func` (None when left to its
+    default); `ValueError` naming the arguments when `func` has none of that name."""
+    params = list(inspect.signature(func).parameters.values())
+    found = next((p for p in params if p.name == name), None)
+    if found is None or found.kind in (found.VAR_POSITIONAL, found.VAR_KEYWORD):
+        names = ", ".join(p.name for p in params) or "none"
+        raise ValueError(f"guardrails: {func.__qualname__} has no argument {name!r} ({names})")
+    position = (
+        params.index(found)
+        if found.kind in (found.POSITIONAL_ONLY, found.POSITIONAL_OR_KEYWORD)
+        else None
+    )
+
+    def read(call: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        args, kwargs = call
+        if position is not None and position < len(args):
+            return args[position]
+        return kwargs.get(name)
+
+    return read
 
 
 def attach_module(

@@ -35,13 +35,16 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from guardrails import _process
-from guardrails.attach.patching import ImportPatch, around
+from guardrails.attach.patching import ImportPatch
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved
+from guardrails.attach.wrapping import around
+from guardrails.reporting.host_time import CLOCK
 from guardrails.reporting.watched import Observation, Watched
 from guardrails.settings.targets import Ref, parse_target
 
 if TYPE_CHECKING:
+    from guardrails.reporting.host_time import HostTime
     from guardrails.settings import GuardSettings
 
 __all__ = ["HeartbeatHandle", "Liveness", "Observation", "Watched", "heartbeat_points"]
@@ -142,7 +145,8 @@ def heartbeat_points(settings: GuardSettings) -> list[AttachPoint]:
 
 class HeartbeatHandle(ImportPatch):
     """The heartbeat target, wrapped when its module is imported: each call is one beat,
-    then the engine's own call (an `async def` stays one)."""
+    then the engine's own call (an `async def` stays one). A beat's time goes to
+    `guardrails_host_seconds_total{part="heartbeat"}` when `host_time` is given."""
 
     def __init__(
         self,
@@ -150,17 +154,29 @@ class HeartbeatHandle(ImportPatch):
         liveness: Liveness,
         on_error: Callable[[AttachError], None] | None,
         closed: Callable[[], bool],
+        host_time: HostTime | None = None,
     ) -> None:
         super().__init__(point, on_error, None, closed)
         self._beat: list[Callable[[], None]] = [liveness.beat]
+        self._host_time = host_time
 
     def _wrap(self, resolved: Resolved) -> Callable[..., Any]:
         slot = self._beat
+        host_time = self._host_time
+        if host_time is None:
 
-        def beat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            def beat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                slot[0]()
+
+            return around(resolved.func, before=beat)
+        add = host_time.add
+
+        def timed_beat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            start = CLOCK()
             slot[0]()
+            add("heartbeat", CLOCK() - start)
 
-        return around(resolved.func, before=beat)
+        return around(resolved.func, before=timed_beat)
 
     def _stop(self) -> None:
         self._beat[0] = _nothing

@@ -37,8 +37,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from guardrails import _process
-from guardrails.attach.patching import ImportPatch, around
+from guardrails.attach.patching import ImportPatch
 from guardrails.attach.points import AttachError, AttachPoint
+from guardrails.attach.wrapping import around
 from guardrails.exceptions import Problem
 from guardrails.settings.targets import Ref, parse_target
 

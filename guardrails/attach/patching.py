@@ -28,7 +28,6 @@ Contract:
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import inspect
@@ -43,8 +42,10 @@ from guardrails.attach.expects import ref_problems
 from guardrails.attach.handles import Handle, SiteCall
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved, namespace, reader, resolve, vocab_of
+from guardrails.attach.wrapping import around
 from guardrails.exceptions import TensorTypeError, TensorValueError
 from guardrails.names import ATTACH_ERROR_EVENT, GUARD_ERROR_EVENT
+from guardrails.reporting.host_time import CLOCK
 from guardrails.reporting.recorder import ErrorRecorder
 from guardrails.settings.targets import (
     imported_version,
@@ -54,20 +55,21 @@ from guardrails.settings.targets import (
 )
 
 if TYPE_CHECKING:
+    from guardrails.reporting.host_time import HostTime
     from guardrails.settings import GuardSettings
 
 __all__ = [
     "AttachFailures",
     "GuardErrors",
     "ImportPatch",
+    "NotApplied",
     "PatchHandle",
     "PatchOwner",
     "TargetReport",
-    "around",
     "inspect_point",
 ]
 
-State = Literal["pending", "applied", "disabled", "inapplicable", "failed", "removed"]
+State = Literal["pending", "applied", "disabled", "inapplicable", "mismatch", "failed", "removed"]
 Guard = Callable[..., Any]
 
 _MARKER = "__guardrails_patch__"
@@ -160,6 +162,9 @@ class PatchOwner(Protocol):
     @property
     def guard_errors(self) -> GuardErrors: ...
 
+    @property
+    def host_time(self) -> HostTime: ...
+
     def is_enabled(self, name: str) -> bool: ...
 
     def site(self, name: str) -> SiteCall: ...
@@ -174,13 +179,25 @@ def _off(value: Any) -> None:
     return None
 
 
+class NotApplied(Exception):
+    """Raised by `ImportPatch._wrap`: the target resolved, but is left as it is (`state`:
+    why, e.g. "mismatch" when the engine lacks what the wrapper reads)."""
+
+    def __init__(self, state: State) -> None:
+        super().__init__(state)
+        self.state: State = state
+
+
 class ImportPatch(Handle):
-    """What every import-path patch shares: waiting for its module's import, the `when`
-    check, wrapping the target in place and putting it back.
+    """The one way guardrails wraps `module:Owner.attr` of code it does not own (attach
+    points, the heartbeat, model loaders, engine hook parts): waiting for the module's
+    import, the `when` check, resolving the target (`guardrails.attach.resolve`), wrapping it
+    in place with `around()`, marking the wrapper with its handle, and putting it back.
 
     Subclasses say what the wrapper does (`_wrap`) and how it stops acting when it cannot be
     taken out of a chain (`_stop`). States: pending (module not imported yet), applied,
-    disabled, inapplicable (`when` names other versions), failed, removed.
+    disabled, inapplicable (`when` names other versions), mismatch (the engine lacks what the
+    wrapper reads), failed, removed.
     """
 
     def __init__(
@@ -211,6 +228,8 @@ class ImportPatch(Handle):
         """Apply now if the target's module is imported, else right after it is; a point
         whose `when` requirement the installed distribution does not meet is inapplicable
         and never applied."""
+        if self._state != "pending":
+            return  # disabled at construction, or installed already
         when = self.point.when
         if when is not None:
             holds = requirement_holds(when)
@@ -229,12 +248,15 @@ class ImportPatch(Handle):
         and log it and return: then the import goes on); without one it raises."""
         try:
             self._apply(module)
-        except AttachError as exc:
+        except Exception as exc:
+            error = exc if isinstance(exc, AttachError) else self.point.error(repr(exc))
             self._state = "failed"
-            self.error = exc
+            self.error = error
             if self._on_error is None:
-                raise
-            self._on_error(exc)
+                if error is exc:
+                    raise
+                raise error from exc
+            self._on_error(error)
 
     def _apply(self, module: Any) -> None:
         with self._lock:
@@ -253,7 +275,11 @@ class ImportPatch(Handle):
                 raise point.error(
                     "is an async generator function; patch the function that consumes it"
                 )
-            wrapper = self._wrap(resolved)
+            try:
+                wrapper = self._wrap(resolved)
+            except NotApplied as why:
+                self._state = why.state
+                return
             if wrapper is None:
                 self._state = "disabled"  # nothing wrapped: a disabled site costs nothing
                 return
@@ -388,61 +414,6 @@ class PatchHandle(ImportPatch):
         self._guards.guard_errors.record(self.point, reason, error)
 
 
-def around(
-    func: Callable[..., Any],
-    before: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None,
-    after: Callable[[tuple[Any, ...], dict[str, Any], Any], None] | None = None,
-) -> Callable[..., Any]:
-    """`func` wrapped so that `before(args, kwargs)` runs before each call and `after(args,
-    kwargs, result)` after it, keeping what callers test for: an `async def` stays a
-    coroutine function (`after` sees the awaited value), a generator function stays one
-    (`before` runs when it starts, as its body would). Exactly one of the two is given."""
-    if inspect.iscoroutinefunction(func):
-        if before is not None:
-            call_before = before
-
-            async def async_before(*args: Any, **kwargs: Any) -> Any:
-                call_before(args, kwargs)
-                return await func(*args, **kwargs)
-
-            return functools.wraps(func)(async_before)
-        if after is None:
-            raise ValueError("around() needs before or after")
-        call_after = after
-
-        async def async_after(*args: Any, **kwargs: Any) -> Any:
-            result = await func(*args, **kwargs)
-            call_after(args, kwargs, result)
-            return result
-
-        return functools.wraps(func)(async_after)
-    if before is not None:
-        call_before = before
-        if inspect.isgeneratorfunction(func):
-
-            def generator_before(*args: Any, **kwargs: Any) -> Any:
-                call_before(args, kwargs)
-                return (yield from func(*args, **kwargs))
-
-            return functools.wraps(func)(generator_before)
-
-        def sync_before(*args: Any, **kwargs: Any) -> Any:
-            call_before(args, kwargs)
-            return func(*args, **kwargs)
-
-        return functools.wraps(func)(sync_before)
-    if after is None:
-        raise ValueError("around() needs before or after")
-    call_after = after
-
-    def sync_after(*args: Any, **kwargs: Any) -> Any:
-        result = func(*args, **kwargs)
-        call_after(args, kwargs, result)
-        return result
-
-    return functools.wraps(func)(sync_after)
-
-
 def _wrapper(
     handle: PatchHandle,
     func: Callable[..., Any],
@@ -452,8 +423,10 @@ def _wrapper(
     fatal: tuple[type[Exception], ...],
 ) -> Callable[..., Any]:
     slot = handle._guard
+    add, part = handle.guards.host_time.add, f"attach:{handle.point.site}"
 
     def guard(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        start = CLOCK()
         try:
             value = read(args, kwargs, result)
             if value is None:
@@ -471,6 +444,8 @@ def _wrapper(
             # The configured reference does not fit what this call passes or returns.
             handle._unguarded("reference", exc)
             return
+        finally:
+            add(part, CLOCK() - start)  # the site's own call is its own part
         try:
             if vocab is None:
                 site(value)

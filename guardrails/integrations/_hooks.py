@@ -1,5 +1,5 @@
-"""What the engine hooks share: one wrapped engine method that waits for its module's import,
-and the report of a hook's own failure.
+"""What the engine hooks share: a hook part (one engine method, wrapped the one way guardrails
+wraps code, `guardrails.attach.patching.ImportPatch`) and the report of a hook's own failure.
 
 A hook (`guardrails.names.KNOWN_HOOKS`) is guardrails' own code around an engine method, for
 what an `[[attach]]` point cannot do (ending a request). It must never be what breaks the
@@ -7,21 +7,29 @@ engine: a method that does not resolve is counted in `guardrails_attach_errors_t
 logged, and any exception of the hook's own is counted in
 `guardrails_hook_errors_total{hook, rank}` (every time; the series exists at 0 once the hook
 applies), logged once per part as `guardrails.hook_error` through the host's logging
-(`guardrails.logs.HostLogger`), and the engine's call goes on as if unhooked.
+(`guardrails.logs.HostLogger`), and the engine's call goes on as if unhooked. Each call's own
+time (without the engine's call inside it; an `async def` part is not timed) goes to
+`guardrails_host_seconds_total{part="hook:<hook>"}`.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import wrapt
-
 from guardrails.attach.expects import Expect, verify
-from guardrails.attach.points import AttachError
+from guardrails.attach.patching import ImportPatch, NotApplied
+from guardrails.attach.points import AttachError, AttachPoint
+from guardrails.attach.resolve import Resolved, resolve
+from guardrails.attach.wrapping import around
 from guardrails.exceptions import Problem
 from guardrails.reporting.hook_errors import HookErrors
+from guardrails.reporting.host_time import CLOCK
 from guardrails.reporting.request_aborts import RequestAborts
+from guardrails.settings.targets import Ref, parse_target
 
 if TYPE_CHECKING:
     from guardrails.service import Guardrails
@@ -29,11 +37,12 @@ if TYPE_CHECKING:
 __all__ = ["HookErrors", "MethodHook", "PartFailures", "request_aborts"]
 
 
-class MethodHook:
+class MethodHook(ImportPatch):
     """`module:Owner.method` wrapped by `half(wrapped, instance, args, kwargs)` once `module`
     is imported (at once if it already is), from `install()` on: hook installers only build
     these, and `Guardrails.install_hooks()` installs them, so that `guardrails check` can
-    inspect a hook's halves without wrapping anything.
+    inspect a hook's parts without wrapping anything. `wrapped` is the engine's method bound
+    to `instance`; `args` and `kwargs` are the call's, without `instance`.
 
     `reads` declares what the half reads from the engine beyond the method's name
     (`guardrails.attach.expects`): checked when the module is imported, before anything is
@@ -42,13 +51,13 @@ class MethodHook:
     once in `guardrails_site_not_called{site="hook:Owner.method"}`, and the engine's method
     runs as it is, with no error at every step.
 
-    `.state` is pending, applied, disabled, inapplicable (`when` names other versions of the
-    engine), mismatch, error or removed; `.calls` counts the calls it handled. `expect_calls`
-    marks a half that runs in the heartbeat's process whenever the heartbeat does (a model-runner
-    half): the liveness self-check reports it when it sees no call, under `watch_name` (the
-    hook's name; `expect_calls="group"` watches it as "hook:group", apart from the hook's
-    other halves). Halves of one name are alternatives (one per model runner, only one of
-    which runs): they are judged on the sum of their calls. `.remove()` unwraps it.
+    `.state` is `ImportPatch`'s (pending, applied, disabled, inapplicable, mismatch, failed,
+    removed); `.calls` counts the calls it handled. `expect_calls` marks a half that runs in
+    the heartbeat's process whenever the heartbeat does (a model-runner half): the liveness
+    self-check reports it when it sees no call, under `watch_name` (the hook's name;
+    `expect_calls="group"` watches it as "hook:group", apart from the hook's other halves).
+    Halves of one name are alternatives (one per model runner, only one of which runs): they
+    are judged on the sum of their calls. `.remove()` unwraps it.
     """
 
     def __init__(
@@ -64,16 +73,23 @@ class MethodHook:
         when: str | None = None,
         reads: Sequence[Expect] = (),
     ) -> None:
+        point = AttachPoint(
+            site=hook,
+            target=parse_target(f"{module}:{target}"),
+            tensor=Ref("return"),
+            when=when,
+            origin=f"hook {hook}",
+        )
+        super().__init__(point, self._failed, None, lambda: guards.closed)
         self.hook, self.module, self.target, self._half = hook, module, target, half
         self.expect_calls = expect_calls
         self.when = when
         self.reads = tuple(reads)
         self.calls = 0
         self._guards = guards
-        self._wrapper: Any = None
-        self._owner: Any = None
-        self._method = ""
-        self.state = "pending" if enabled else "disabled"
+        self._acting = True
+        if not enabled:
+            self._state = "disabled"
 
     @property
     def path(self) -> str:
@@ -86,78 +102,81 @@ class MethodHook:
             return f"{self.hook}:{self.expect_calls}"
         return self.hook if self.expect_calls else None
 
-    def install(self) -> None:
-        """Wrap the method when its module is imported (now, if it is)."""
-        if self.state != "pending":
-            return
-        if self.when is not None:
-            from guardrails.settings.targets import requirement_holds
-
-            if requirement_holds(self.when) is False:
-                self.state = "inapplicable"
-                return
-        wrapt.register_post_import_hook(self._apply, self.module)
-
     def inspect(self) -> list[str]:
         """Import the module, find the method and verify what the half reads, without
         wrapping anything (`guardrails check`): [] when all holds, else one line per
         problem. ImportError of the method's own module propagates."""
-        import importlib
-
         module = importlib.import_module(self.module)
         try:
-            self._resolve(module)
-        except AttributeError as exc:
-            return [str(exc)]
+            resolve(self.point, module)
+        except AttachError as exc:
+            return [problem.message for problem in exc.problems]
         return verify(self.reads)
 
-    def _resolve(self, module: Any) -> tuple[Any, str]:
-        owner_name, _, method = self.target.partition(".")
-        owner = getattr(module, owner_name, None)
-        if owner is None:
-            raise AttributeError(f"{module.__name__} has no attribute {owner_name!r}")
-        if not callable(getattr(owner, method, None)):
-            raise AttributeError(f"{module.__name__}.{self.target} is not a function")
-        return owner, method
-
-    def _apply(self, module: Any) -> None:
-        if self.state != "pending":
-            return
+    def _wrap(self, resolved: Resolved) -> Callable[..., Any]:
+        problems = verify(self.reads)
+        if problems:
+            error = AttachError([Problem(self.path, f"reads {p}") for p in problems])
+            self._guards.attach_errors.record(site=self.hook, target=self.path, error=error)
+            self._guards.hook_off(f"{self.hook}:{self.target}", self.path, "mismatch")
+            raise NotApplied("mismatch")
         try:
-            owner, method = self._resolve(module)
-            problems = verify(self.reads)
-            if problems:
-                self._mismatch(problems)
-                return
-            wrapt.wrap_function_wrapper(owner, method, self._call)
-            self._wrapper = owner.__dict__.get(method)
-            self._owner, self._method = owner, method
-            self.state = "applied"
-            self._guards.hook_errors.prepare(self.hook)
-            self._guards.request_aborts.prepare_hook(self.hook)
-        except Exception as exc:
-            self.state = "error"
-            self._guards.attach_errors.record(site=self.hook, target=self.path, error=exc)
+            wrapper = self._wrapper(resolved)
+        except TypeError as exc:
+            raise self.point.error(str(exc)) from None
+        self._guards.hook_errors.prepare(self.hook)
+        self._guards.request_aborts.prepare_hook(self.hook)
+        return wrapper
 
-    def _mismatch(self, problems: list[str]) -> None:
-        self.state = "mismatch"
-        error = AttachError([Problem(self.path, f"reads {p}") for p in problems])
+    def _wrapper(self, resolved: Resolved) -> Callable[..., Any]:
+        half, func = self._half, resolved.func
+        add = self._guards.host_time.add
+        part = f"hook:{self.hook}"
+        bound = resolved.receiver == 1
+        # The engine's own call, timed, so that the part's time leaves it out. One cell per
+        # part: an engine calls one method from one thread at a time.
+        inside = [0.0]
+
+        def engine(*args: Any, **kwargs: Any) -> Any:
+            start = CLOCK()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                inside[0] += CLOCK() - start
+
+        if inspect.iscoroutinefunction(func):
+            # An API server's handler, not an engine step: its awaits are not guardrails'
+            # time, so it is not timed.
+            def through_async(func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
+                if not self._acting:
+                    return func(*args, **kwargs)
+                self.calls += 1
+                if bound:
+                    return half(types.MethodType(func, args[0]), args[0], args[1:], kwargs)
+                return half(func, None, args, kwargs)
+
+            return around(func, through=through_async)
+
+        def through(func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
+            if not self._acting:
+                return func(*args, **kwargs)
+            self.calls += 1
+            start, before = CLOCK(), inside[0]
+            try:
+                if bound:
+                    instance = args[0]
+                    return half(types.MethodType(engine, instance), instance, args[1:], kwargs)
+                return half(engine, None, args, kwargs)
+            finally:
+                add(part, max(0.0, CLOCK() - start - (inside[0] - before)))
+
+        return around(func, through=through)
+
+    def _stop(self) -> None:
+        self._acting = False
+
+    def _failed(self, error: AttachError) -> None:
         self._guards.attach_errors.record(site=self.hook, target=self.path, error=error)
-        self._guards.hook_off(f"{self.hook}:{self.target}", self.path, self.state)
-
-    def _call(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-        if self.state != "applied":
-            return wrapped(*args, **kwargs)
-        self.calls += 1
-        return self._half(wrapped, instance, args, kwargs)
-
-    def remove(self) -> None:
-        """Unwrap (when nothing wrapped it since); a pending hook simply never applies."""
-        if self.state == "applied":
-            current = self._owner.__dict__.get(self._method)
-            if current is self._wrapper:
-                setattr(self._owner, self._method, current.__wrapped__)
-        self.state = "removed"
 
     def __repr__(self) -> str:
         return f"<MethodHook {self.hook} {self.path} {self.state}>"

@@ -4,6 +4,7 @@ their handles, and what they do to the tensors they guard."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -102,3 +103,64 @@ def test_decorator_guards_what_an_async_function_returns(guards: gr.Guardrails) 
     assert inspect.iscoroutinefunction(sampler.step)
     Sampler.step.remove()  # type: ignore[attr-defined]
     assert math.isnan(float(asyncio.run(sampler.step(math.nan))[0, 1]))
+
+
+def test_guard_input_heals_the_argument_before_the_call_sync_async_and_generator(
+    guards: gr.Guardrails,
+) -> None:
+    """`guard_input` wraps with the same `around` as attach points: the callee sees healed
+    logits whether it is a plain function, a method, an `async def` or a generator function."""
+    import asyncio
+    import inspect
+
+    seen: list[float] = []
+
+    class Sampler:
+        @guards.guard_input("sampler.logits")
+        def step(self, logits: torch.Tensor) -> None:
+            seen.append(float(logits[0, 1]))
+
+        @guards.guard_input("sampler.logits", arg="scores")
+        async def astep(self, scores: torch.Tensor) -> None:
+            await asyncio.sleep(0)
+            seen.append(float(scores[0, 1]))
+
+        @guards.guard_input("sampler.logits")
+        def stream(self, logits: torch.Tensor) -> Iterator[float]:
+            yield float(logits[0, 1])
+
+    sampler = Sampler()
+    sampler.step(torch.tensor([[0.5, math.nan]]))
+    asyncio.run(sampler.astep(scores=torch.tensor([[0.5, math.nan]])))
+    assert inspect.isgeneratorfunction(Sampler.stream.__wrapped__)  # type: ignore[attr-defined]
+    seen.extend(sampler.stream(torch.tensor([[0.5, math.nan]])))
+    assert seen == [-math.inf] * 3
+    assert guards.count("sampler.logits", "nan") == 3
+    assert inspect.iscoroutinefunction(sampler.astep)
+    Sampler.step.remove()  # type: ignore[attr-defined]
+    sampler.step(torch.tensor([[0.5, math.nan]]))
+    assert math.isnan(seen[-1])
+
+
+def test_decorators_refuse_what_they_cannot_guard_at_decoration(guards: gr.Guardrails) -> None:
+    def stream() -> Iterator[torch.Tensor]:
+        yield torch.zeros(1, 2)
+
+    with pytest.raises(TypeError, match="generator function"):
+        guards.guard_output("sampler.logits")(stream)
+
+    def step(scores: torch.Tensor) -> None:
+        return None
+
+    with pytest.raises(ValueError, match=r"no argument 'logits' \(scores\)"):
+        guards.guard_input("sampler.logits")(step)
+
+
+def test_decorator_counts_its_own_host_time_apart_from_the_site(guards: gr.Guardrails) -> None:
+    @guards.guard_output("sampler.logits")
+    def compute() -> torch.Tensor:
+        return torch.zeros(2, 4)
+
+    compute()
+    spent = guards.host_time.spent
+    assert spent["attach:sampler.logits"] > 0
