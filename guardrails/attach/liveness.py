@@ -234,7 +234,7 @@ def watched_now(
     halves: dict[str, list[Any]] = {}
     for hook in hooks:
         watch = getattr(hook, "watch_name", None)
-        if watch is not None and hook.state in ("pending", "applied", "error"):
+        if watch is not None and hook.state in ("pending", "applied", "failed"):
             halves.setdefault(watch, []).append(hook)
     for name, pooled in halves.items():
         out.append(

@@ -395,3 +395,34 @@ def test_an_excused_point_leaves_the_sites_other_applied_points_watched(
     ]
     assert gauge(guards, "sampler.logits") == 1.0
     guards.close()
+
+
+def test_a_watched_half_that_failed_to_resolve_is_reported(
+    engine: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A half whose method is gone from the engine's imported module (state "failed") runs
+    nowhere: the self-check names it, as it names one whose module never came."""
+    import sys
+
+    def install(guards: Guardrails) -> list[MethodHook]:
+        def half(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+            return wrapped(*args, **kwargs)
+
+        return [
+            MethodHook(
+                guards, "test.hook", engine.__name__, "Sampler.no_such", half, expect_calls="gone"
+            )
+        ]
+
+    holder = ModuleType("liveness_failed_holder")
+    holder.install = install  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "liveness_failed_holder", holder)
+    monkeypatch.setitem(KNOWN_HOOKS, "test.hook", "liveness_failed_holder:install")  # type: ignore[index]
+    monkeypatch.setitem(HOOK_ACTS_ON, "test.hook", ())  # type: ignore[index]
+    guards = guarded(engine, hooks=["test.hook"])
+    [part] = guards.install_hooks()
+    assert part.state == "failed"
+    with capture_logs() as logs:
+        steps(engine, 8)
+    [event] = not_called(logs)
+    assert (event["site"], event["state"]) == ("test.hook:gone", ["failed"])
