@@ -15,13 +15,17 @@ run stage by stage, in the order of `STAGES`, each stage's in the order they wer
 A callback that raises does not stop the others; the first error is raised at the end (Python
 reports it as unraisable). Around the fork, in the forking process, it runs what
 `around_fork(before, after_in_parent)` registered: `before` in registration order, then the
-`after_in_parent` callbacks in the reverse order (what was taken first is given back last).
+`after_in_parent` callbacks in the reverse order (what was taken first is given back last);
+`hold_at_fork(live, lock_of, timeout_s)` is the common case, each live object's lock held
+across the fork, never waited for without a bound. A `Live` set made with `at_exit` runs it
+on the objects still alive at interpreter exit (installed with the first object added).
 
 Nothing here imports torch or any other part of guardrails.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -36,6 +40,7 @@ __all__ = [
     "RegisteredLock",
     "after_fork",
     "around_fork",
+    "hold_at_fork",
     "lock",
     "locks",
     "module_lock",
@@ -76,6 +81,8 @@ _registry_lock = threading.RLock()
 _callbacks: dict[str, list[Callable[[], None]]] = {stage: [] for stage in STAGES}
 # (before, after_in_parent) pairs for the forking process (`around_fork`).
 _around: list[tuple[Callable[[], None], Callable[[], None]]] = []
+# What `hold_at_fork` holds across a fork: the parent's to release, nothing in the child.
+_held: list[list[Any]] = []
 
 
 def _make(reentrant: bool) -> Any:
@@ -162,6 +169,30 @@ def around_fork(before: Callable[[], None], after_in_parent: Callable[[], None])
             _around.append((before, after_in_parent))
 
 
+def hold_at_fork(live: Live[_T], lock_of: Callable[[_T], Any], timeout_s: float) -> None:
+    """Around each fork, hold `lock_of(obj)` (None: nothing to hold) of each object in
+    `live`, so that no other thread of the forking process is inside what it guards (a poll
+    inside prometheus-client would leave that library's own lock held in the child for good),
+    and release them in the parent after the fork. Never an unbounded wait: another thread
+    may hold the set's lock or an object's for good; each is waited for at most `timeout_s`
+    and the fork goes on without it (the child re-makes every lock either way)."""
+    held: list[Any] = []
+
+    def before() -> None:
+        for obj in live.snapshot(timeout=timeout_s):
+            found = lock_of(obj)
+            if found is not None and found.acquire(timeout=timeout_s):
+                held.append(found)
+
+    def after_in_parent() -> None:
+        while held:
+            held.pop().release()
+
+    with _registry_lock:
+        _held.append(held)
+    around_fork(before, after_in_parent)
+
+
 def _before_fork() -> None:
     for before, _ in list(_around):
         before()
@@ -174,15 +205,23 @@ def _after_fork_in_parent() -> None:
 
 class Live(Generic[_T]):
     """The objects of one kind alive in this process, held weakly (a dropped `Guardrails` is
-    still collected). Iterating gives a snapshot, safe while others add or leave."""
+    still collected). Iterating gives a snapshot, safe while others add or leave.
 
-    def __init__(self) -> None:
+    `at_exit(objects)` runs at interpreter exit on the objects alive then; it is installed
+    with the first object added, not before (an exit hook runs before those installed
+    earlier: the host's own)."""
+
+    def __init__(self, at_exit: Callable[[list[_T]], None] | None = None) -> None:
         self._items: weakref.WeakSet[_T] = weakref.WeakSet()
         self._lock = lock(self, "_lock")
+        self._at_exit = at_exit
 
     def add(self, item: _T) -> None:
         with self._lock:
             self._items.add(item)
+            at_exit, self._at_exit = self._at_exit, None
+        if at_exit is not None:
+            atexit.register(lambda: at_exit(list(self)))
 
     def discard(self, item: _T) -> None:
         with self._lock:
@@ -212,6 +251,8 @@ class Live(Generic[_T]):
 def _after_fork_in_child() -> None:
     global _registry_lock
     _registry_lock = threading.RLock()
+    for held in _held:
+        held.clear()  # the parent's to release
     for ref, attrs in list(_owners.values()):
         owner = ref()
         if owner is None:

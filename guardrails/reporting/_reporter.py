@@ -1,38 +1,18 @@
-"""Reporting: device counts -> host mirror -> Prometheus counters and throttled log events.
+"""The reporter: sites' device counts -> Prometheus series and throttled log events.
 
-Every `reporting.every_calls` calls, a site starts a non-blocking copy of its cumulative
-device counts into a host mirror and ticks the reporter. The reporter reads only copies that
-have completed (`DeviceCounts.latest()`), so nothing here waits for a device; `flush()` (on
-`close()` and at interpreter exit) is the one place that does, to report exact totals.
-
-- Metrics: the difference between the counts read now and those already reported becomes a
-  counter increment; counts are never throttled, so the counters end exact.
-- Logs: one event per site when new bad values arrive: the first at once, then at most one
-  per `reporting.log_interval_s`, carrying how many events it folds in (`suppressed`). Fields
-  are counts, names, dtype and shape: never tensor values. Events go to the host's logging
-  (`guardrails.logs.HostLogger`), and only after the reporter's lock is released: they are
-  decided (and the throttle advanced) under the lock, then delivered outside it, so a host
-  handler may call `poll()`, `flush()`, `close()` or make a site from inside an event.
-- Faults: an exception while reading counts, creating or writing a metric, serving /metrics
-  (other than a bind error, which is a `ConfigError` at start-up) or logging never reaches
-  the guarded call (nor site creation); it is counted in
-  `guardrails_reporting_errors_total{stage}` (a fault before the first site, once that series
-  exists) and logged once. A series that cannot be created (an unwritable multiprocess
-  directory) is retried at each increment, so it catches up.
-
-Why `every_calls` defaults to 32: a tick costs about 2-2.5 us of host time on the CPU
-(measured) and, on CUDA, a 40-byte pinned copy, an event record and an event query, about
-10-20 us of launch overhead (estimated). Every 32 calls that is under 0.1 us per call on the
-CPU (a few per cent of a ~3 us site call) and under 1 us on CUDA, while the counters lag the
-device by at most 32 calls of the site (one copy more on CUDA): a fraction of a second at
-decode rates. The counts of an idle site's last calls are reported by the background poller
-(`guardrails.reporting.poller`, twice per `reporting.report_interval_s`), or by `poll()` or
-`close()`.
+A site ticks it every `reporting.every_calls` calls; the background poller
+(`guardrails.reporting.poller`), `poll()`, `flush()` and `close()` report too. It reads only
+host copies that have completed, so it never waits for a device, except in `flush()` (also
+run by `close()` and at interpreter exit), which reports exact totals. Counts are never
+throttled; log events are, per site (`log_interval_s`), and are delivered after the lock is
+released, so a host handler may call back into guardrails. A fault while reporting never
+reaches the guarded call: it is counted in `guardrails_reporting_errors_total{stage}` and
+logged once. How often it reports, and what that costs: docs/metrics.md ("How counts reach
+the counters").
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import time
 import weakref
@@ -41,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from guardrails import _process
 from guardrails._cuda import side_streams
-from guardrails.exceptions import ConfigError, Problem
 from guardrails.flags import CountKind
 from guardrails.logs import HostLogger, configure_json_logs
 from guardrails.names import REPORTING_ERROR_EVENT
@@ -59,7 +38,7 @@ if TYPE_CHECKING:
     from guardrails.reporting.mirror import DeviceCounts
     from guardrails.reporting.watched import Observation
     from guardrails.settings import GuardSettings
-    from guardrails.tracing.tracer import Trace
+    from guardrails.tracing.tracer import Trace, TraceReport
 
 __all__ = ["ReportedSite", "Reporter"]
 
@@ -129,13 +108,16 @@ class Reporter:
         # Traced models (`guardrails.tracing`): told of hits, read for origins and peaks.
         # Weakly, by key: a trace ends with its model, which a server may drop.
         self._traces: weakref.WeakValueDictionary[str, Trace] = weakref.WeakValueDictionary()
+        # Each trace's peak gauges, by module, made at the rank of the pass that chose them.
+        self._peaks: weakref.WeakKeyDictionary[Trace, dict[str, Series]] = (
+            weakref.WeakKeyDictionary()
+        )
         # Imports nothing of prometheus_client: the families open later (see
         # `guardrails.reporting.metrics`), and counts made before wait in their series.
         self._metrics: GuardMetrics = metrics.guard_metrics(
             registry, settings.metrics.labels, directory=settings.metrics.dir
         )
-        self._rank: str | None = None
-        self._rank_settled = False  # see _resolve_rank
+        self._rank = metrics.Rank()
         self._faults = ReportingErrors(self._metrics, self._logger)
         self._closed = False
         # What guardrails' own code costs on this host (guardrails_host_seconds_total).
@@ -144,114 +126,19 @@ class Reporter:
         self._poller: Poller | None = None
         if settings.reporting.log_format == "json":
             configure_json_logs()
-        port = settings.metrics.port
-        if port:
+        if settings.metrics.port:
             try:
-                self._prepare_serving(settings.metrics.addr, port)
+                exposition.open_port(
+                    self,
+                    settings,
+                    self._metrics.binding,
+                    fault=self._metrics_fault,
+                    notice=self._deliver,
+                )
             except BaseException:
                 exposition.release_server(self)
                 raise
-        _live_reporters().add(self)
-
-    def _prepare_serving(self, addr: str, port: int) -> None:
-        binding = self._metrics.binding
-        if not exposition.claim(addr, port, binding, owner=self):
-            raise ConfigError(
-                [
-                    Problem(
-                        self._settings.origin("metrics", "port"),
-                        f"cannot serve metrics on {addr}:{port}: another Guardrails in this "
-                        "process serves a different registry there",
-                        port,
-                        accepted="the same registry (or none) for every Guardrails on one "
-                        "port, or another port",
-                    )
-                ]
-            )
-        if binding.is_open:
-            self._serve(addr, port, at_start=True)
-            return
-        # The server waits for the metrics to open (it imports prometheus_client), but a port
-        # that something else holds is still an error at start-up, found without binding it.
-        try:
-            exposition.probe(addr, port)
-        except (OSError, UnicodeError) as exc:
-            self._bind_failed(addr, port, exc, at_start=True)
-            return  # another process of the tree serves it (else that raised)
-        me = weakref.ref(self)
-
-        def serve_when_open() -> None:
-            reporter = me()
-            if reporter is not None and not reporter._closed:
-                reporter._serve(addr, port, at_start=False)
-
-        binding.when_open(serve_when_open)
-
-    def _serve(self, addr: str, port: int, *, at_start: bool) -> None:
-        sink = self._metrics.binding.sink
-        tree = self._settings.metrics.dir
-        directories = list(
-            dict.fromkeys(
-                str(path)
-                for path in (getattr(sink, "directory", None), exposition.multiprocess_dir(), tree)
-                if path
-            )
-        )
-        marker_dir = str(tree) if tree else exposition.multiprocess_dir()
-        try:
-            serving = exposition.serve(
-                addr,
-                port,
-                getattr(sink, "registry", None),
-                owner=self,
-                directories=directories,
-                marker_dir=marker_dir,
-            )
-        except (OSError, UnicodeError) as exc:
-            self._bind_failed(addr, port, exc, at_start=at_start, marker_dir=marker_dir)
-            return
-        except Exception as exc:
-            # prometheus-client refusing a multiprocess directory (not a directory): the
-            # series fail the same way and are contained; so is the server, which has
-            # nothing to aggregate.
-            self._fault("metrics", exc)
-            return
-        if serving.marker_error is not None:
-            # The server runs; only sibling processes cannot learn that it serves them.
-            self._fault("metrics", serving.marker_error)
-
-    def _bind_failed(
-        self,
-        addr: str,
-        port: int,
-        exc: OSError | UnicodeError,
-        *,
-        at_start: bool,
-        marker_dir: str | None = None,
-    ) -> None:
-        # In a process tree every process inherits the same port, and one server shows every
-        # process's files: a process whose sibling already serves that port is served by it.
-        # Anything else holding the port is still an error.
-        if marker_dir is None:
-            tree = self._settings.metrics.dir
-            marker_dir = str(tree) if tree else exposition.multiprocess_dir()
-        if exposition.address_in_use(exc) and exposition.sibling_serves(port, marker_dir):
-            self._deliver([events.served_elsewhere_event(addr, port)])
-            return
-        # At start-up, as a ConfigError naming the variable (or file key) that is at fault:
-        # the fix is a configuration change, and hosts already handle this error. Later (the
-        # metrics opened in a sampling call or an import), a contained fault.
-        problem = exposition.bind_problem(
-            exc,
-            addr,
-            port,
-            addr_origin=self._settings.origin("metrics", "addr"),
-            port_origin=self._settings.origin("metrics", "port"),
-        )
-        error = ConfigError([problem])
-        if at_start:
-            raise error from exc
-        self._fault("metrics", error)
+        _live.add(self)
 
     # -- called by the service and the sites ----------------------------------------------
 
@@ -427,7 +314,7 @@ class Reporter:
         self._stop_poller()
         self.flush()
         self._closed = True
-        _live_reporters().discard(self)
+        _live.discard(self)
         if self._settings.metrics.port:
             exposition.release_server(self)
 
@@ -475,33 +362,21 @@ class Reporter:
         return report
 
     def _resolve_rank(self, outbox: list[_Event]) -> str:
-        """The `rank` label; called with the lock held.
-
-        Read when the first site is made, not at construction. Where nothing says the rank
-        then (no process group yet, no RANK variable) it is 0 until a process group is
-        initialised: engines' workers (vLLM's, SGLang's tensor-parallel ranks) make their
-        sites before they start torch.distributed. At the first report after it starts, the
-        sites' series move to the real rank (what the old ones counted stays there: every
-        sum stays exact)."""
-        if self._rank is None:
-            self._rank, self._rank_settled = metrics.resolve_rank_source()
-        elif self._rank_settled:
-            return self._rank
-        else:
-            started = metrics.distributed_rank()
-            if started is None:
-                return self._rank
-            self._rank, self._rank_settled = started, True
+        """The `rank` label (`metrics.Rank`); called with the lock held. When it is new
+        here, the error series are made at it, and when it moved, the sites' series too."""
+        first = self._rank.value is None
+        rank, new = self._rank.resolve()
+        if not new:
+            return rank
+        if not first:
             for report in self._sites.values():
-                self._make_series(report, started, outbox)
+                self._make_series(report, rank, outbox)
         errors = {
-            stage: self._series(
-                self._metrics.reporting_errors, outbox, stage=stage, rank=self._rank
-            )
+            stage: self._series(self._metrics.reporting_errors, outbox, stage=stage, rank=rank)
             for stage in metrics.ERROR_STAGES
         }
-        self._faults.open(self._rank, errors)
-        return self._rank
+        self._faults.open(rank, errors)
+        return rank
 
     def _make_series(self, report: _SiteReport, rank: str, outbox: list[_Event]) -> None:
         site, series, family = report.site, report.series, self._metrics
@@ -566,69 +441,50 @@ class Reporter:
                 self.host_time.unreport(part, seconds)  # retried at the next report
 
     def _report_traces(self, hits: list[str], clean: bool, outbox: list[_Event]) -> None:
-        """Tell each trace of this pass's hits, report the origin of an episode it holds,
-        and set the peak gauge (`guardrails.tracing.tracer`)."""
+        """One report pass of each trace (`Trace.report`): count and log the origin it
+        found, set its peak gauges."""
         for trace in list(self._traces.values()):
             if not trace.active:  # its model was collected
                 self._traces.pop(trace.key, None)
                 continue
             try:
-                if hits:
-                    trace.hit(hits[0])
-                elif clean and trace.wanted is not None:
-                    trace.misses += 1
-                if trace.mode.armed and not trace.armed:
-                    continue
-                rows = trace.read()
-                if rows is None:
-                    continue
-                if trace.wanted is not None:
-                    origin = trace.resolve(rows)
-                    if origin is not None:
-                        self._origin_found(trace, origin, outbox)
-                    elif trace.misses > 1:
-                        # Two passes without a hit and no latch: the value was born outside
-                        # the traced modules (or in an unprobed step); nothing to name.
-                        trace.wanted = None
-                self._set_peaks(trace, rows, outbox)
+                found = trace.report(hits[0] if hits else None, clean)
+                if found is not None:
+                    self._trace_found(trace, found, outbox)
             except Exception as exc:
                 self._fault("poll", exc, outbox)
 
-    def _origin_found(self, trace: Trace, origin: Any, outbox: list[_Event]) -> None:
-        site, trace.wanted = trace.wanted, None
-        trace.origin = origin
-        rank = self._resolve_rank(outbox)
-        series = self._metrics.nonfinite_origin.labels(
-            module=origin.module, kind=origin.kind, rank=rank
-        )
-        self._increment(series, 1, outbox)
-        outbox.append(
-            events.origin_event(
-                module=origin.module,
-                site=site,
-                kind=origin.kind,
-                dtype=origin.dtype,
-                rank=rank,
-                step=origin.step,
-                mode=str(trace.mode),
+    def _trace_found(self, trace: Trace, found: TraceReport, outbox: list[_Event]) -> None:
+        origin = found.origin
+        if origin is not None:
+            rank = self._resolve_rank(outbox)
+            series = self._metrics.nonfinite_origin.labels(
+                module=origin.module, kind=origin.kind, rank=rank
             )
-        )
-
-    def _set_peaks(self, trace: Trace, rows: list[list[float]], outbox: list[_Event]) -> None:
-        from guardrails.tracing.tracer import PEAK_SERIES
-
-        ranked = trace.peaks(rows)
-        if not ranked:
+            self._increment(series, 1, outbox)
+            outbox.append(
+                events.origin_event(
+                    module=origin.module,
+                    site=found.site,
+                    kind=origin.kind,
+                    dtype=origin.dtype,
+                    rank=rank,
+                    step=origin.step,
+                    mode=str(trace.mode),
+                )
+            )
+        if not found.peaks:
             return
         rank = self._resolve_rank(outbox)
-        family = self._metrics.activation_peak_ratio
-        for module, _ratio in ranked[:PEAK_SERIES]:
-            if module not in trace.peak_series and len(trace.peak_series) < PEAK_SERIES:
-                trace.peak_series[module] = family.labels(module=module, rank=rank)
-        values = dict(ranked)
-        for module, series in trace.peak_series.items():
+        gauges = self._peaks.setdefault(trace, {})
+        for module, ratio in found.peaks:
+            gauge = gauges.get(module)
+            if gauge is None:
+                gauge = gauges[module] = self._metrics.activation_peak_ratio.labels(
+                    module=module, rank=rank
+                )
             try:
-                series.set(values.get(module, 0.0))
+                gauge.set(ratio)
             except Exception as exc:
                 self._fault("metrics", exc, outbox)
 
@@ -684,7 +540,7 @@ class Reporter:
                     calls_total=series.reported_calls,
                     logged_calls=throttle.logged_calls,
                     suppressed=throttle.suppressed,
-                    rank=self._rank,
+                    rank=self._rank.value,
                     vocab_size=site.vocab_size if site.kind == "token_ids" else None,
                     dtype=None if dtype is None else str(dtype).removeprefix("torch."),
                     shape=site.last_shape,
@@ -696,10 +552,13 @@ class Reporter:
         # lock, and a broken logger must not be retried per call.
         throttle.logged_now(now, self._interval, series.totals, series.reported_calls)
 
+    def _metrics_fault(self, exc: Exception) -> None:
+        self._fault("metrics", exc)
+
     def _fault(self, stage: str, exc: Exception, outbox: list[_Event] | None = None) -> None:
         """Count a contained fault and log it once per stage: into `outbox` when called under
         the lock, else at once."""
-        event = self._faults.record(stage, exc, self._rank)
+        event = self._faults.record(stage, exc, self._rank.value)
         if event is None:
             return
         if outbox is not None:
@@ -726,25 +585,8 @@ class Reporter:
 
 # -- interpreter exit and fork -------------------------------------------------------------
 
-_live: _process.Live[Reporter] | None = None
-_live_lock = _process.module_lock(__name__, "_live_lock")
 
-
-def _live_reporters() -> _process.Live[Reporter]:
-    """Reporters not yet closed; installs the exit hook with the first one.
-
-    Weak, so that a `Guardrails` dropped without `close()` is still collected.
-    """
-    global _live
-    with _live_lock:
-        if _live is None:
-            _live = _process.Live()
-            atexit.register(_flush_at_exit)
-        return _live
-
-
-def _flush_at_exit() -> None:
-    reporters = list(_live or ())
+def _flush_at_exit(reporters: list[Reporter]) -> None:
     for reporter in reporters:
         reporter._stop_poller()  # no poll runs during the exit flush
     for reporter in reporters:
@@ -752,31 +594,17 @@ def _flush_at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    _held_at_fork.clear()  # the child's locks are new ones (guardrails._process)
-    for reporter in list(_live or ()):
+    for reporter in list(_live):
         reporter._after_fork_in_child()
 
 
-# A fork while a background poll is inside prometheus-client would leave that library's own
-# lock held in the child for good (its next increment of the series would block): the
-# forking thread waits for a poll in progress, at most a second, and the parent goes on.
-_held_at_fork: list[Reporter] = []
-_FORK_WAIT_S = 1.0
+def _held_at_fork(reporter: Reporter) -> Any:
+    # A poll in progress may be inside prometheus-client: the fork waits for it (at most a
+    # second), so that the child never inherits that library's lock held.
+    return reporter._lock if reporter._poller is not None else None
 
 
-def _before_fork() -> None:
-    # Never an unbounded wait: another thread may hold the set's lock (or a reporter's) at
-    # the fork; the child re-makes every lock either way (guardrails._process).
-    live = _live
-    for reporter in [] if live is None else live.snapshot(timeout=_FORK_WAIT_S):
-        if reporter._poller is not None and reporter._lock.acquire(timeout=_FORK_WAIT_S):
-            _held_at_fork.append(reporter)
-
-
-def _after_fork_in_parent() -> None:
-    while _held_at_fork:
-        _held_at_fork.pop()._lock.release()
-
-
+# Reporters not yet closed (weakly: a `Guardrails` dropped without `close()` is collected).
+_live: _process.Live[Reporter] = _process.Live(at_exit=_flush_at_exit)
 _process.after_fork("reporters", _after_fork_in_child)
-_process.around_fork(_before_fork, _after_fork_in_parent)
+_process.hold_at_fork(_live, _held_at_fork, timeout_s=1.0)

@@ -30,17 +30,22 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from guardrails import _process
+from guardrails.exceptions import ConfigError, Problem
+from guardrails.reporting import events
+from guardrails.reporting.sinks import announced, multiprocess_dir, read_json, write_json
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-from guardrails import _process
-from guardrails.exceptions import Problem
-from guardrails.reporting.sinks import announced, multiprocess_dir, read_json, write_json
+    from guardrails.reporting.events import Event
+    from guardrails.reporting.metrics import _Binding
+    from guardrails.settings import GuardSettings
 
 __all__ = [
     "Serving",
@@ -48,6 +53,7 @@ __all__ = [
     "bind_problem",
     "claim",
     "multiprocess_dir",
+    "open_port",
     "probe",
     "release_server",
     "serve",
@@ -103,6 +109,10 @@ class Serving:
 _SERVERS: dict[tuple[str, int], _Served] = {}
 _SERVERS_LOCK = _process.module_lock(__name__, "_SERVERS_LOCK")
 
+
+# Owners whose server waits for their metrics to open (`open_port`); kept in a forked child,
+# whose owners still serve once theirs open.
+_WAITING: weakref.WeakSet[Any] = weakref.WeakSet()
 
 # (addr, port) -> (what is shown there, the owners that claimed it), for this process.
 _CLAIMS: dict[tuple[str, int], tuple[object, weakref.WeakSet[Any]]] = {}
@@ -181,6 +191,143 @@ def serve(
             except OSError as exc:
                 marker_error = exc
         return Serving(started=True, marker_error=marker_error)
+
+
+def open_port(
+    owner: object,
+    settings: GuardSettings,
+    binding: _Binding,
+    *,
+    fault: Callable[[Exception], None],
+    notice: Callable[[list[Event]], None],
+) -> None:
+    """Serve `owner`'s metrics (`binding`) on `[metrics] addr:port`: now if they are open,
+    else once they open (the server imports prometheus-client), for as long as `owner` has
+    not released its claim (`release_server`).
+
+    At start-up a port that something else holds, an address this host does not have, or
+    another registry of this process on the port is a `ConfigError` naming the setting at
+    fault; later, a contained fault (`fault`). A port a sibling process of the tree serves is
+    left to it (`notice` gets the event that says so). `fault` and `notice` are held weakly
+    until the metrics open: pass bound methods of `owner`."""
+    addr, port = settings.metrics.addr, settings.metrics.port
+    if not claim(addr, port, binding, owner=owner):
+        raise ConfigError(
+            [
+                Problem(
+                    settings.origin("metrics", "port"),
+                    f"cannot serve metrics on {addr}:{port}: another Guardrails in this "
+                    "process serves a different registry there",
+                    port,
+                    accepted="the same registry (or none) for every Guardrails on one "
+                    "port, or another port",
+                )
+            ]
+        )
+    if binding.is_open:
+        _serve_owner(owner, settings, binding, fault, notice, at_start=True)
+        return
+    # The server waits for the metrics to open, but a port that something else holds is
+    # still an error at start-up, found without binding it.
+    try:
+        probe(addr, port)
+    except (OSError, UnicodeError) as exc:
+        _bind_failed(settings, exc, fault, notice, at_start=True)
+        return  # another process of the tree serves it (else that raised)
+    with _SERVERS_LOCK:
+        _WAITING.add(owner)
+    me = weakref.ref(owner)
+    weak_fault, weak_notice = weakref.WeakMethod(fault), weakref.WeakMethod(notice)
+
+    def serve_when_open() -> None:
+        found, on_fault, on_notice = me(), weak_fault(), weak_notice()
+        if found is None or on_fault is None or on_notice is None:
+            return  # collected
+        with _SERVERS_LOCK:
+            if found not in _WAITING:
+                return  # released (closed) meanwhile
+            _WAITING.discard(found)
+        _serve_owner(found, settings, binding, on_fault, on_notice, at_start=False)
+
+    binding.when_open(serve_when_open)
+
+
+def _serve_owner(
+    owner: object,
+    settings: GuardSettings,
+    binding: _Binding,
+    fault: Callable[[Exception], None],
+    notice: Callable[[list[Event]], None],
+    *,
+    at_start: bool,
+) -> None:
+    sink = binding.sink
+    tree = settings.metrics.dir
+    directories = list(
+        dict.fromkeys(
+            str(path)
+            for path in (getattr(sink, "directory", None), multiprocess_dir(), tree)
+            if path
+        )
+    )
+    marker_dir = _marker_dir(settings)
+    try:
+        serving = serve(
+            settings.metrics.addr,
+            settings.metrics.port,
+            getattr(sink, "registry", None),
+            owner=owner,
+            directories=directories,
+            marker_dir=marker_dir,
+        )
+    except (OSError, UnicodeError) as exc:
+        _bind_failed(settings, exc, fault, notice, at_start=at_start)
+        return
+    except Exception as exc:
+        # prometheus-client refusing a multiprocess directory (not a directory): the series
+        # fail the same way and are contained; so is the server, which has nothing to
+        # aggregate.
+        fault(exc)
+        return
+    if serving.marker_error is not None:
+        # The server runs; only sibling processes cannot learn that it serves them.
+        fault(serving.marker_error)
+
+
+def _marker_dir(settings: GuardSettings) -> str | None:
+    tree = settings.metrics.dir
+    return str(tree) if tree else multiprocess_dir()
+
+
+def _bind_failed(
+    settings: GuardSettings,
+    exc: OSError | UnicodeError,
+    fault: Callable[[Exception], None],
+    notice: Callable[[list[Event]], None],
+    *,
+    at_start: bool,
+) -> None:
+    # In a process tree every process inherits the same port, and one server shows every
+    # process's files: a process whose sibling already serves that port is served by it.
+    # Anything else holding the port is still an error.
+    addr, port = settings.metrics.addr, settings.metrics.port
+    if address_in_use(exc) and sibling_serves(port, _marker_dir(settings)):
+        notice([events.served_elsewhere_event(addr, port)])
+        return
+    # At start-up, as a ConfigError naming the variable (or file key) that is at fault: the
+    # fix is a configuration change, and hosts already handle this error. Later (the metrics
+    # opened in a sampling call or an import), a contained fault.
+    problem = bind_problem(
+        exc,
+        addr,
+        port,
+        addr_origin=settings.origin("metrics", "addr"),
+        port_origin=settings.origin("metrics", "port"),
+    )
+    error = ConfigError([problem])
+    if at_start:
+        raise error from exc
+    fault(error)
 
 
 # Bind errors that are the address's fault, not the port's.
@@ -294,6 +441,7 @@ def release_server(owner: object) -> None:
     """`owner` no longer needs its server; stop each server no live owner needs."""
     stopped: list[_Served] = []
     with _SERVERS_LOCK:
+        _WAITING.discard(owner)
         for _shown, claimants in _CLAIMS.values():
             claimants.discard(owner)
         for key, served in list(_SERVERS.items()):

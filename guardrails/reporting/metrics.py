@@ -80,6 +80,7 @@ __all__ = [
     "Family",
     "FamilySpec",
     "GuardMetrics",
+    "Rank",
     "Series",
     "distributed_rank",
     "guard_metrics",
@@ -457,6 +458,35 @@ def resolve_rank_source(environ: Mapping[str, str] | None = None) -> tuple[str, 
         if raw.isascii() and raw.isdigit():
             return str(int(raw)), True
     return "0", False
+
+
+class Rank:
+    """One reporter's `rank` label (`resolve_rank`), read when first asked, not at
+    construction. Where nothing says the rank then (no process group yet, no RANK variable)
+    it is 0 until a process group is initialised: engines' workers (vLLM's, SGLang's
+    tensor-parallel ranks) make their sites before they start torch.distributed. Asked after
+    that, it moves to the real rank once; the owner moves its series there (what the old ones
+    counted stays: every sum stays exact)."""
+
+    __slots__ = ("_settled", "value")
+
+    def __init__(self) -> None:
+        self.value: str | None = None  # None: not read yet
+        self._settled = False
+
+    def resolve(self) -> tuple[str, bool]:
+        """The rank, and whether it is new here: read for the first time, or just moved to
+        the process group's."""
+        if self.value is None:
+            self.value, self._settled = resolve_rank_source()
+            return self.value, True
+        if self._settled:
+            return self.value, False
+        started = distributed_rank()
+        if started is None:
+            return self.value, False
+        self.value, self._settled = started, True
+        return started, True
 
 
 def distributed_rank() -> str | None:

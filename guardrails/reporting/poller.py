@@ -14,7 +14,9 @@ counters and the logs within the interval of the step, whether or not another ca
   capture on another thread is neither joined nor invalidated. Such a copy is not ordered after the
   engine's work: it reads the counts as they are when it runs (they only grow), and the next
   one reads what came after;
-- the guarded call is unchanged: nothing per call, nothing allocated.
+- the guarded call is unchanged: nothing per call, nothing allocated;
+- what a poll costs is counted in `guardrails_host_seconds_total{part="poller"}` (its work,
+  not its sleep).
 
 The thread starts with the reporter's first guarded call (processes that never sample get
 none), holds the reporter weakly, stops at `close()` and at interpreter exit (before the exit

@@ -17,7 +17,9 @@ site calls, and its poller): on the CPU the buffer is read directly; on CUDA a n
 copy into pinned memory is started and the newest completed copy read, as for the sites'
 counts. The host only reads: an episode (a run of steps where some traced output held NaN or
 +Inf) starts clean on the device (`guardrails.tracing.ops`), so nothing is written from the
-poller's thread or stream. A site's non-finite hit marks an origin as wanted; the next read
+poller's thread or stream. The trace keeps its own episode state, advanced once per report
+pass (`Trace.report`, which says what to count and show; the reporter delivers it). A
+site's non-finite hit marks an origin as wanted; the next read
 that holds an episode not yet resolved reports its origin (event `guardrails.nonfinite_origin`,
 counter `guardrails_nonfinite_origin_total`): once per episode, the latest one the host sees.
 The peaks feed the gauge `guardrails_activation_peak_ratio` for at most `PEAK_SERIES` modules.
@@ -46,6 +48,7 @@ import functools
 import types
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import torch
@@ -63,7 +66,7 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
 
-__all__ = ["PEAK_SERIES", "Trace", "match_modules"]
+__all__ = ["PEAK_SERIES", "Trace", "TraceReport", "match_modules"]
 
 # The gauge's module labels: the first modules to rank among the largest peaks, at most.
 PEAK_SERIES: Final = 8
@@ -125,6 +128,18 @@ def _input_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | N
     return hidden if _floating(hidden) else None
 
 
+@dataclass(frozen=True)
+class TraceReport:
+    """What one report pass found in a trace (`Trace.report`): an episode's `origin` with
+    the `site` whose hit asked for it (None, None: none this pass), and the gauge's values,
+    (module, largest finite |output| / its dtype's largest finite value), for the modules it
+    shows (empty: nothing measured yet)."""
+
+    origin: Origin | None
+    site: str | None
+    peaks: tuple[tuple[str, float], ...]
+
+
 class Trace(Removable):
     """The probes on one model (see the module docstring); a removable handle and a
     context manager. Made by `Guardrails.trace()`."""
@@ -169,12 +184,13 @@ class Trace(Removable):
         self._rows_of: torch.Tensor | None = None  # the buffer `_rows` views
         self._rows: torch.Tensor | None = None
         self._mirror: _Mirror | None = None
+        # Episode state, advanced by the reporter's passes (`report`).
         self.wanted: str | None = None  # the site whose hit asks for an origin
         self._resolved = 0  # the latest episode whose origin was looked for
         self.origin: Origin | None = None
         self.armed = False  # an armed trace after its first hit
         self.misses = 0  # report passes without a hit since `wanted` was set
-        self.peak_series: dict[str, Any] = {}  # the gauge's series, by module (reporter)
+        self._gauged: list[str] = []  # the gauge's modules: the first to rank, at most 8
         # Armed too: a hook added after torch.compile traced the model would not be seen
         # (Dynamo does not guard on hooks), so an armed trace's hooks are there from the start
         # and do nothing but test one attribute until the first hit.
@@ -300,6 +316,45 @@ class Trace(Removable):
         return self._count
 
     # -- called by the reporter -----------------------------------------------------------
+
+    def report(self, hit: str | None, clean: bool) -> TraceReport | None:
+        """One report pass: `hit` names the site whose new non-finite values this pass
+        brought (None: none), `clean` says a logits site was called with none. Advances the
+        episode state and returns what to count and show, or None when there is nothing to
+        read (an armed trace before its first hit, no completed copy yet, its model gone)."""
+        if hit is not None:
+            self.hit(hit)
+        elif clean and self.wanted is not None:
+            self.misses += 1
+        if self.mode.armed and not self.armed:
+            return None
+        rows = self.read()
+        if rows is None:
+            return None
+        # The peaks first: whatever fails there leaves the origin to the next pass.
+        peaks = self._peak_values(rows)
+        origin, site = None, None
+        if self.wanted is not None:
+            origin = self.resolve(rows)
+            if origin is not None:
+                site, self.wanted = self.wanted, None
+                self.origin = origin
+            elif self.misses > 1:
+                # Two passes without a hit and no latch: the value was born outside the
+                # traced modules (or in an unprobed step); nothing to name.
+                self.wanted = None
+        return TraceReport(origin, site, peaks)
+
+    def _peak_values(self, rows: Sequence[Sequence[float]]) -> tuple[tuple[str, float], ...]:
+        ranked = self.peaks(rows)
+        if not ranked:
+            return ()
+        gauged = self._gauged
+        for module, _ratio in ranked[:PEAK_SERIES]:
+            if module not in gauged and len(gauged) < PEAK_SERIES:
+                gauged.append(module)
+        values = dict(ranked)
+        return tuple((module, values.get(module, 0.0)) for module in gauged)
 
     def hit(self, site: str) -> None:
         """A site reported non-finite values: want an origin; arm an armed trace."""

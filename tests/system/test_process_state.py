@@ -286,7 +286,7 @@ def test_the_reporters_fork_hook_never_waits_on_a_thread_that_holds_the_live_set
     from guardrails.reporting import _reporter
 
     guards = Guardrails(GuardSettings())
-    live = _reporter._live_reporters()
+    live = _reporter._live
     release = threading.Event()
     holding = threading.Event()
 
