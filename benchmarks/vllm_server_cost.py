@@ -3,14 +3,16 @@
     .e2e-vllm/bin/python -m benchmarks.vllm_server_cost [--pairs 2] [--requests 8] [--tokens 256]
 
 Each pair starts vLLM's OpenAI API server twice on the same tiny bfloat16 Llama (the e2e
-suite's, `tests.tiny_llama` NaN-row variant, served clean here), once plain and once under
-`guardrails run --config config/profiles/vllm.toml` (the order alternates from pair to pair, so
-drift in the machine's speed falls on both alike), and serves the same request mix on each:
-`--requests` greedy completions of `--tokens` tokens sent at once, after a warm-up batch. Per
-server it prints decode tokens/s (completion tokens / wall time of the batch) and the time per
-engine step (the mean of vLLM's own `vllm:inter_token_latency_seconds` over the batch: each
-running request gets a token per step); guardrails' added host time per step is their
-difference.
+suite's, `tests.tiny_llama` NaN-row variant, served clean here), once with vLLM's plugins off
+and once with guardrails' plugin and its shipped vllm profile (the order alternates from pair
+to pair, so drift in the machine's speed falls on both alike), and serves the same request mix
+on each: `--requests` greedy completions of `--tokens` tokens sent at once, after a warm-up
+batch. Per server it prints decode tokens/s (completion tokens / wall time of the batch) and
+the time per engine step (the mean of vLLM's own `vllm:inter_token_latency_seconds` over the
+batch: each running request gets a token per step); guardrails' added host time per step is
+their difference. On each guarded server it also prints guardrails' own host time per engine step as
+the server's /metrics reports it (`guardrails_host_seconds_total` by part, over the batch's
+engine steps, `vllm:iteration_tokens_total`'s count).
 Then, on the first guarded server, a deterministic profile (`cProfile`, started and stopped by
 signals through a vLLM plugin, `benchmarks.frame_profile`) of the engine core's and the worker's
 main threads over `PROFILE_BATCHES` more batches sums the time in guardrails' own code (the
@@ -55,16 +57,26 @@ TOP_FUNCTIONS = 15  # guardrails' functions printed and kept per process
 # What a deployment runs with: the settings' defaults, not the e2e suite's (which reports at
 # every call and judges liveness every 8 steps).
 DEFAULTS = {"GUARDRAILS_REPORT_EVERY": "32", "GUARDRAILS_LIVENESS_STEPS": "256"}
+# Host seconds reach /metrics at the next report: within the default report interval (2 s,
+# the background poll twice per interval); waited out before each scrape.
+REPORTED_WITHIN_S = 3.0
 
 
 def scrape(server: Server) -> dict[str, float]:
     """The samples the figures come from: vLLM's inter-token latency (sum and count: each
     running request gets one token per engine step, so its mean is the step time the
-    requests see) and guardrails' guard calls (one per sampling step; 0 unguarded)."""
-    found = {"itl_sum": 0.0, "itl_count": 0.0, "guard_calls": 0.0}
+    requests see), vLLM's engine steps (`vllm:iteration_tokens_total`'s count), guardrails'
+    guard calls (one per sampling step; 0 unguarded) and its own host seconds by part
+    (`guardrails_host_seconds_total`, as "host:<part>")."""
+    found = {"itl_sum": 0.0, "itl_count": 0.0, "guard_calls": 0.0, "steps": 0.0}
     for family in text_string_to_metric_families(server.metrics()):
         for sample in family.samples:
-            if sample.name == "vllm:inter_token_latency_seconds_sum":
+            if sample.name == "guardrails_host_seconds_total":
+                part = "host:" + sample.labels["part"]
+                found[part] = found.get(part, 0.0) + sample.value
+            elif sample.name == "vllm:iteration_tokens_total_count":
+                found["steps"] += sample.value  # one observation per engine step
+            elif sample.name == "vllm:inter_token_latency_seconds_sum":
                 found["itl_sum"] += sample.value
             elif sample.name == "vllm:inter_token_latency_seconds_count":
                 found["itl_count"] += sample.value
@@ -107,16 +119,30 @@ def batch(server: Server, requests: int, tokens: int) -> tuple[float, int]:
 
 def measure(server: Server, requests: int, tokens: int) -> dict[str, float]:
     batch(server, requests, tokens)  # warm-up: compiled shapes, caches
+    time.sleep(REPORTED_WITHIN_S)  # the warm-up's host time reaches /metrics before `before`
     before = scrape(server)
     wall, produced = batch(server, requests, tokens)
+    time.sleep(REPORTED_WITHIN_S)
     after = scrape(server)
     gaps = after["itl_count"] - before["itl_count"]
-    return {
+    steps = after["steps"] - before["steps"]
+    found = {
         "tokens_per_s": produced / wall,
         "step_ms": 1e3 * (after["itl_sum"] - before["itl_sum"]) / gaps,
         "wall_s": wall,
         "guard_calls": after["guard_calls"] - before["guard_calls"],
+        "engine_steps": steps,
     }
+    # guardrails' own host time per engine step, as the server's /metrics reports it.
+    parts = {
+        key.removeprefix("host:"): 1e6 * (after[key] - before.get(key, 0.0)) / steps
+        for key in after
+        if key.startswith("host:") and steps
+    }
+    if parts:
+        found["host_us_per_step"] = sum(parts.values())
+        found.update({f"host_us_per_step[{part}]": value for part, value in parts.items()})
+    return found
 
 
 def _children(pid: int) -> dict[str, int]:
@@ -223,9 +249,8 @@ def main() -> int:
         for guarded in order:
             name = "guarded" if guarded else "plain"
             log = work / f"{pair}-{name}.log"
-            with vllm_server(
-                model, log, guarded_run=guarded, settings=DEFAULTS, env=plugin
-            ) as server:
+            way = "plugin" if guarded else "unguarded"
+            with vllm_server(model, log, way=way, settings=DEFAULTS, env=plugin) as server:
                 got = measure(server, args.requests, args.tokens)
                 if guarded and inside is None:
                     inside = profile(server, args.requests, args.tokens, got["step_ms"], profiles)
@@ -237,6 +262,17 @@ def main() -> int:
                 f"started in {server.started_in_s:.0f} s)",
                 flush=True,
             )
+            if "host_us_per_step" in got:
+                parts = ", ".join(
+                    f"{key[len('host_us_per_step[') : -1]} {value:.1f}"
+                    for key, value in sorted(got.items())
+                    if key.startswith("host_us_per_step[")
+                )
+                print(
+                    f"  guardrails_host_seconds_total: {got['host_us_per_step']:.1f} us per "
+                    f"engine step over {got['engine_steps']:.0f} steps ({parts})",
+                    flush=True,
+                )
     median = {
         mode: {
             key: statistics.median(r[key] for r in runs if r["mode"] == mode)

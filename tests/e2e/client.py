@@ -350,6 +350,37 @@ def wait_for_origin(server: Server, timeout_s: float = 30.0) -> dict[tuple[str, 
     return origins(server)
 
 
+def host_seconds(server: Server) -> dict[str, float]:
+    """`guardrails_host_seconds_total` by part, summed over the server's ranks."""
+    found: dict[str, float] = {}
+    for (name, labels), value in samples(server).items():
+        if name == "guardrails_host_seconds_total":
+            part = dict(labels)["part"]
+            found[part] = found.get(part, 0.0) + value
+    return found
+
+
+def assert_host_time_grows(
+    server: Server, parts: set[str], serve: Callable[[], object], timeout_s: float = 30.0
+) -> dict[str, float]:
+    """guardrails' own host time is on the server's /metrics: every one of `parts` is there and
+    grows while `serve()` sends requests. Returns the increase by part (every part's)."""
+    deadline = time.monotonic() + timeout_s
+    before = host_seconds(server)
+    while not parts <= set(before) and time.monotonic() < deadline:
+        time.sleep(0.25)
+        before = host_seconds(server)
+    assert parts <= set(before), sorted(before)
+    serve()
+    after = host_seconds(server)
+    while time.monotonic() < deadline and not all(after[p] > before[p] for p in parts):
+        time.sleep(0.25)
+        after = host_seconds(server)
+    grown = {part: after[part] - before.get(part, 0.0) for part in after}
+    assert all(grown[part] > 0 for part in parts), grown
+    return grown
+
+
 def families(server: Server) -> set[str]:
     """The metric family names on the server's /metrics."""
     return {family.name for family in text_string_to_metric_families(server.metrics())}

@@ -31,6 +31,7 @@ from tests.e2e.client import (
     POISONED,
     REQUEST_TIMEOUT_S,
     SAMPLED,
+    assert_host_time_grows,
     chat,
     complete,
     families,
@@ -67,6 +68,7 @@ GUARDRAILS_FAMILIES = {
     "guardrails_hook_errors",
     "guardrails_requests_aborted",
     "guardrails_reporting_errors",
+    "guardrails_host_seconds",
 }
 # SGLang 0.5.23's series made in its HTTP process (TokenizerMetricsCollector, the HTTP
 # middleware's, the start-up timers; counters without `_total`, as the parser names families).
@@ -286,6 +288,20 @@ def test_the_server_stays_up_and_metrics_count_every_poisoned_request(guarded: S
     assert set(silent) == WATCHED, silent
     assert set(silent.values()) == {0.0}, silent
     assert "guardrails.site_not_called" not in guarded.log.read_text(errors="replace")
+
+
+def test_guardrails_own_host_time_is_on_sglangs_metrics(guarded: Server) -> None:
+    """`guardrails_host_seconds_total` from the scheduler process: the sampler's site, the
+    attach point that finds its logits, the hook's parts (without SGLang's calls inside them),
+    the heartbeat and the report poller."""
+    parts = {
+        "site:sampler.logits",
+        "attach:sampler.logits",
+        "hook:sglang.abort_poisoned_requests",
+        "heartbeat",
+        "poller",
+    }
+    assert_host_time_grows(guarded, parts, lambda: chat(guarded, CLEAN[0], GREEDY))
 
 
 def test_guardrails_families_are_on_sglangs_own_metrics(plain: Server, guarded: Server) -> None:

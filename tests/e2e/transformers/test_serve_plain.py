@@ -18,6 +18,7 @@ from tests.e2e.client import (
     POISONED,
     SAMPLED,
     aborted_events,
+    assert_host_time_grows,
     assert_reported_while_idle,
     chat,
     complete,
@@ -99,6 +100,19 @@ def test_the_server_stays_up_and_metrics_count_each_poisoned_request(plain: Serv
     silent = not_called(plain)
     assert silent.get("sampler.logits") == 0.0, silent
     assert set(silent.values()) == {0.0}, silent
+
+
+def test_guardrails_own_host_time_is_on_the_servers_metrics(plain: Server) -> None:
+    """`guardrails_host_seconds_total`: the sampler's site, the attach point on generate's
+    logits processors, the hook's parts, the heartbeat and the report poller."""
+    parts = {
+        "site:sampler.logits",
+        "attach:sampler.logits",
+        "hook:transformers.end_poisoned_requests",
+        "heartbeat",
+        "poller",
+    }
+    assert_host_time_grows(plain, parts, lambda: chat(plain, CLEAN[0], GREEDY))
 
 
 def test_each_ended_request_is_counted_and_named_by_its_request_id(plain: Server) -> None:

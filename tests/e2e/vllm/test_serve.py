@@ -19,6 +19,7 @@ from tests.e2e.client import (
     GREEDY,
     POISONED,
     SAMPLED,
+    assert_host_time_grows,
     assert_reported_while_idle,
     chat,
     complete,
@@ -121,6 +122,21 @@ def test_the_server_stays_up_and_counts_each_poisoned_request(served: Server) ->
     assert nan == sent * tiny_llama.VOCAB
     assert sample(served, "guardrails_guard_calls_total", **SITE) > sent
     assert sample(served, "guardrails_guard_calls_total", site="sampler.token_ids") > sent
+
+
+def test_guardrails_own_host_time_is_on_the_servers_metrics(served: Server) -> None:
+    """`guardrails_host_seconds_total`: the sampler's two sites, the attach point that finds
+    their logits, the hook's parts (scheduler and runner, without vLLM's calls inside them),
+    the heartbeat and the report poller each count their own host time, on vLLM's /metrics."""
+    parts = {
+        "site:sampler.logits",
+        "site:sampler.token_ids",
+        "attach:sampler.logits",
+        "hook:vllm.end_poisoned_requests",
+        "heartbeat",
+        "poller",
+    }
+    assert_host_time_grows(served, parts, lambda: chat(served, CLEAN[1], GREEDY))
 
 
 def test_an_idle_servers_poisoned_request_reaches_metrics_within_seconds(
