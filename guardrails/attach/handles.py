@@ -18,12 +18,10 @@ import torch
 
 from guardrails._removable import Removable
 from guardrails.attach.wrapping import around
-from guardrails.reporting.host_time import CLOCK
+from guardrails.reporting.host_time import CLOCK, HostTime
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from guardrails.reporting.host_time import HostTime
 
 __all__ = ["GuardedFunction", "Handle", "Removable", "SiteCall", "attach_module", "logits_of"]
 
@@ -88,8 +86,8 @@ class GuardedFunction(Removable):
     Wrapped by `guardrails.attach.wrapping.around`, as every attach is: an `async def` stays
     one (its awaited result is guarded), a generator function guards its argument when it
     starts (guarding what it returns raises `TypeError`), and a method binds like a function.
-    Each call's own work around the site call (finding the logits) goes to
-    `guardrails_host_seconds_total{part="attach:<site>"}` when `host_time` is given."""
+    Each call's own work around the site call (finding the logits) goes to `host_time`
+    (`guardrails_host_seconds_total{part="attach:<site>"}` when it is the owner's)."""
 
     def __init__(
         self,
@@ -104,18 +102,15 @@ class GuardedFunction(Removable):
         self.__wrapped__ = func
         self.site = site
         self.active = True
-        add = None if host_time is None else host_time.add
+        add = (HostTime() if host_time is None else host_time).add  # None: untold
         part = f"attach:{site.name}"
 
         def guard(value: Any, find: Callable[[Any], Any]) -> None:
             if not self.active:
                 return
-            if add is None:
-                found = find(value)
-            else:
-                start = CLOCK()
-                found = find(value)
-                add(part, CLOCK() - start)
+            start = CLOCK()
+            found = find(value)
+            add(part, CLOCK() - start)
             if found is not None:
                 site(found)
 

@@ -39,12 +39,11 @@ from guardrails.attach.patching import ImportPatch
 from guardrails.attach.points import AttachError, AttachPoint
 from guardrails.attach.resolve import Resolved
 from guardrails.attach.wrapping import around
-from guardrails.reporting.host_time import CLOCK
+from guardrails.reporting.host_time import CLOCK, HostTime
 from guardrails.reporting.watched import Observation, Watched
 from guardrails.settings.targets import Ref, parse_target
 
 if TYPE_CHECKING:
-    from guardrails.reporting.host_time import HostTime
     from guardrails.settings import GuardSettings
 
 __all__ = ["HeartbeatHandle", "Liveness", "Observation", "Watched", "heartbeat_points"]
@@ -145,8 +144,8 @@ def heartbeat_points(settings: GuardSettings) -> list[AttachPoint]:
 
 class HeartbeatHandle(ImportPatch):
     """The heartbeat target, wrapped when its module is imported: each call is one beat,
-    then the engine's own call (an `async def` stays one). A beat's time goes to
-    `guardrails_host_seconds_total{part="heartbeat"}` when `host_time` is given."""
+    then the engine's own call (an `async def` stays one). A beat's time goes to `host_time`
+    (`guardrails_host_seconds_total{part="heartbeat"}` when it is the owner's)."""
 
     def __init__(
         self,
@@ -158,25 +157,17 @@ class HeartbeatHandle(ImportPatch):
     ) -> None:
         super().__init__(point, on_error, None, closed)
         self._beat: list[Callable[[], None]] = [liveness.beat]
-        self._host_time = host_time
+        self._host_time = HostTime() if host_time is None else host_time  # None: untold
 
     def _wrap(self, resolved: Resolved) -> Callable[..., Any]:
-        slot = self._beat
-        host_time = self._host_time
-        if host_time is None:
+        slot, add = self._beat, self._host_time.add
 
-            def beat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-                slot[0]()
-
-            return around(resolved.func, before=beat)
-        add = host_time.add
-
-        def timed_beat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def beat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             start = CLOCK()
             slot[0]()
             add("heartbeat", CLOCK() - start)
 
-        return around(resolved.func, before=timed_beat)
+        return around(resolved.func, before=beat)
 
     def _stop(self) -> None:
         self._beat[0] = _nothing
