@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -64,6 +65,15 @@ def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
         if key.startswith("GUARDRAILS_"):
             monkeypatch.delenv(key)
     reset_default()
+
+
+@pytest.fixture
+def registry() -> Any:
+    """A prometheus-client registry of the test's own (imported here, not at collection:
+    prometheus-client fixes its multiprocess mode when first imported)."""
+    from prometheus_client import CollectorRegistry
+
+    return CollectorRegistry()
 
 
 @pytest.fixture

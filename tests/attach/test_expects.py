@@ -125,11 +125,6 @@ def test_the_installed_version_is_named(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
-
-
-@pytest.fixture
 def guards(registry: CollectorRegistry) -> Iterator[Guardrails]:
     with Guardrails(GuardSettings(environ={}), registry=registry) as built:
         yield built

@@ -50,13 +50,6 @@ def model() -> Any:
     return tiny_llama.build_model()
 
 
-@pytest.fixture
-def registry() -> Any:
-    from prometheus_client import CollectorRegistry
-
-    return CollectorRegistry()
-
-
 def aborted(registry: Any, reason: str = "nonfinite_logits") -> Any:
     """guardrails_requests_aborted_total of the profile's hook."""
     return registry.get_sample_value(

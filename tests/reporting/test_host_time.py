@@ -10,36 +10,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
 import guardrails as gr
-from guardrails.testing import fresh_guardrails
+from tests.instances import instances
 
 HOST = "guardrails_host_seconds_total"
 LOGITS = "sampler.logits"
 
 
 @pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
-
-
-@pytest.fixture
 def make(registry: CollectorRegistry) -> Iterator[Callable[..., gr.Guardrails]]:
-    made: list[gr.Guardrails] = []
-
-    def build(**settings: Any) -> gr.Guardrails:
-        settings.setdefault("reporting", {"every_calls": 1_000_000, "report_interval_s": 3600})
-        made.append(fresh_guardrails(registry=registry, **settings))
-        return made[-1]
-
-    yield build
-    for instance in made:
-        instance.close()
+    reporting = {"every_calls": 1_000_000, "report_interval_s": 3600}
+    with instances(registry=registry, reporting=reporting) as build:
+        yield build
 
 
 def seconds(registry: CollectorRegistry, part: str) -> float | None:

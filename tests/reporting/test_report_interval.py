@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import guardrails as gr
-from guardrails.testing import fresh_guardrails, inject_
+from guardrails.testing import inject_
+from tests.instances import instances
 from tests.processes import ROOT, child_env
 from tests.system.fork_workload import child_status
 
@@ -67,22 +68,13 @@ def pollers() -> list[threading.Thread]:
 
 
 @pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
-
-
-@pytest.fixture
 def make(registry: CollectorRegistry) -> Iterator[Callable[..., gr.Guardrails]]:
-    made: list[gr.Guardrails] = []
+    with instances(registry=registry) as fresh:
 
-    def build(interval: float = 0.1, **kwargs: Any) -> gr.Guardrails:
-        reporting = {"every_calls": NEVER, "report_interval_s": interval}
-        made.append(fresh_guardrails(registry=registry, reporting=reporting, **kwargs))
-        return made[-1]
+        def build(interval: float = 0.1, **kwargs: Any) -> gr.Guardrails:
+            return fresh(reporting={"every_calls": NEVER, "report_interval_s": interval}, **kwargs)
 
-    yield build
-    for instance in made:
-        instance.close()
+        yield build
 
 
 def dirty(rows: int = 4, vocab: int = 16) -> torch.Tensor:

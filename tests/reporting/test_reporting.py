@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 
 import guardrails as gr
 from guardrails.testing import fresh_guardrails, inject_
+from tests.instances import instances
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGITS = "sampler.logits"
@@ -38,11 +39,6 @@ class Clock:
 
 
 @pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
-
-
-@pytest.fixture
 def clock() -> Clock:
     return Clock()
 
@@ -50,17 +46,9 @@ def clock() -> Clock:
 @pytest.fixture
 def make(registry: CollectorRegistry, clock: Clock) -> Iterator[Callable[..., gr.Guardrails]]:
     """Fresh instances on the test's registry and clock, reporting on every call by default."""
-    made: list[gr.Guardrails] = []
-
-    def build(**settings: Any) -> gr.Guardrails:
-        settings.setdefault("reporting", {"every_calls": 1, "log_interval_s": 60})
-        instance = fresh_guardrails(registry=registry, clock=clock, **settings)
-        made.append(instance)
-        return instance
-
-    yield build
-    for instance in made:
-        instance.close()
+    reporting = {"every_calls": 1, "log_interval_s": 60}
+    with instances(registry=registry, clock=clock, reporting=reporting) as build:
+        yield build
 
 
 def value(registry: CollectorRegistry, metric: str, **labels: str) -> float | None:

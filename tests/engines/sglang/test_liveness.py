@@ -16,7 +16,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
@@ -71,11 +70,6 @@ def step(engine: Any, model_runner: Any, fault: str | None = None) -> tuple[Any,
         inject(logits, fault)
     output = engine.LogitsProcessorOutput(next_token_logits=logits)
     return model_runner.sample(output, forward_batch(engine)), output
-
-
-@pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
 
 
 def profile(tmp_path: Path, replace: dict[str, str] | None = None) -> Path:
