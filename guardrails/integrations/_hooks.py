@@ -88,6 +88,7 @@ class MethodHook(ImportPatch):
         self.calls = 0
         self._guards = guards
         self._acting = True
+        self._mismatched: list[str] = []  # what `_wrap` found missing, reported after it
         if not enabled:
             self._state = "disabled"
 
@@ -113,20 +114,28 @@ class MethodHook(ImportPatch):
             return [problem.message for problem in exc.problems]
         return verify(self.reads)
 
-    def _wrap(self, resolved: Resolved) -> Callable[..., Any]:
-        problems = verify(self.reads)
+    def _on_import(self, module: Any) -> None:
+        super()._on_import(module)
+        # Reported here, after `ImportPatch`'s lock is released: recording logs through the
+        # host's logging and makes series, host code that may call back into guardrails.
+        problems, self._mismatched = self._mismatched, []
         if problems:
             error = AttachError([Problem(self.path, f"reads {p}") for p in problems])
             self._guards.attach_errors.record(site=self.hook, target=self.path, error=error)
             self._guards.hook_off(f"{self.hook}:{self.target}", self.path, "mismatch")
+        elif self.state == "applied":
+            self._guards.hook_errors.prepare(self.hook)
+            self._guards.request_aborts.prepare_hook(self.hook)
+
+    def _wrap(self, resolved: Resolved) -> Callable[..., Any]:
+        problems = verify(self.reads)
+        if problems:
+            self._mismatched = problems
             raise NotApplied("mismatch")
         try:
-            wrapper = self._wrapper(resolved)
+            return self._wrapper(resolved)
         except TypeError as exc:
             raise self.point.error(str(exc)) from None
-        self._guards.hook_errors.prepare(self.hook)
-        self._guards.request_aborts.prepare_hook(self.hook)
-        return wrapper
 
     def _wrapper(self, resolved: Resolved) -> Callable[..., Any]:
         half, func = self._half, resolved.func

@@ -241,3 +241,40 @@ def test_a_references_field_is_checked_against_the_annotation(
     else:
         attr = ref.rpartition(".")[2]
         assert found == [f"{problem}: {name}:Output has no field or attribute {attr!r}"]
+
+
+def test_a_host_handler_may_call_back_into_the_part_while_its_mismatch_is_reported(
+    engine: str, registry: CollectorRegistry
+) -> None:
+    """The mismatch is logged after the part's own lock is released: a host handler that
+    removes the part from inside the event (as host code may call back into guardrails)
+    does not deadlock the import that reported it."""
+    import importlib
+    import threading
+
+    parts: list[MethodHook] = []
+    seen: list[str] = []
+
+    class CallingBack:
+        def error(self, event: str, **fields: Any) -> None:
+            seen.append(event)
+            if event == ATTACH_ERROR_EVENT:
+                parts[0].remove()
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *args, **kwargs: None
+
+    with Guardrails(GuardSettings(environ={}), registry=registry, logger=CallingBack()) as guards:
+        part, _ = _part(guards, engine, "req_ids", "req_id_to_index")
+        parts.append(part)
+
+        def install_and_import() -> None:
+            part.install()
+            importlib.import_module(engine)  # the post-import hook applies it here
+
+        installing = threading.Thread(target=install_and_import, daemon=True)
+        installing.start()
+        installing.join(timeout=30)
+        assert not installing.is_alive(), "the import's report deadlocked on the part's lock"
+        assert ATTACH_ERROR_EVENT in seen
+        assert part.state == "removed"
