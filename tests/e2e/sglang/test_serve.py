@@ -54,6 +54,7 @@ from tests.e2e.sglang.serve import (
 
 TOKENS = 12  # the client helpers' max_tokens
 LONG = 256  # clean requests still decode while the poisoned ones are prefilled and ended
+ROUNDS = 3  # rounds of the batched-with-poisoned test until its premise holds
 SITE = {"site": "sampler.logits"}
 ROWS = "guardrails_flagged_rows_total"
 NAN = "guardrails_nonfinite_values_total"
@@ -191,6 +192,23 @@ def test_a_poisoned_request_alone_is_counted_once_per_step_it_reached(
 def test_clean_requests_sent_with_poisoned_ones_get_their_unguarded_text(
     guarded: Server, alone: dict[tuple[str, str, int], str]
 ) -> None:
+    # The premise (below) depends on how SGLang schedules the clean requests on a busy
+    # machine: once one clean request ran nearly to its end before the others started
+    # ([252, 1, 1, 1]). A round whose premise fails is run again, at most ROUNDS times; every
+    # round's outcomes are checked in full.
+    for _ in range(ROUNDS):
+        decoded_at_send = _clean_and_poisoned_together(guarded, alone)
+        if all(0 < n <= LONG // 2 for n in decoded_at_send):
+            break
+    assert all(0 < n <= LONG // 2 for n in decoded_at_send), decoded_at_send
+
+
+def _clean_and_poisoned_together(
+    guarded: Server, alone: dict[tuple[str, str, int], str]
+) -> list[int]:
+    """Four clean streams, then four poisoned requests while they decode: the clean ones get
+    their text alone, the poisoned ones are ended, each prefilled once. Returns how far each
+    clean request had decoded when the poisoned ones were sent."""
     clean = [in_thread(stream, guarded, text, GREEDY, LONG) for text in CLEAN]
     clean += [in_thread(stream_completion, guarded, CLEAN[0], GREEDY, LONG)]
     for _, outcome in clean:  # every clean request is decoding, so the next ones join it
@@ -216,13 +234,14 @@ def test_clean_requests_sent_with_poisoned_ones_get_their_unguarded_text(
     for (_, outcome), streamed in zip(poisoned, [False, True, False, True], strict=True):
         assert_aborted(outcome, streamed=streamed)
     # They shared the server: the poisoned requests were sent while every clean request had at
-    # least half of its tokens still to decode, and each was prefilled once (SGLang's prefill
-    # log). Not the running count SGLang logs with a prefill: with the tiny model decoding at
-    # ~1,100 tokens/s its log line can come after the clean requests ended, though the abort
-    # came first (two runs on an idle machine: prefills [1 with 0 running, 3 with 1]).
+    # least half of its tokens still to decode (the caller checks), and each was prefilled once
+    # (SGLang's prefill log). Not the running count SGLang logs with a prefill: with the tiny
+    # model decoding at ~1,100 tokens/s its log line can come after the clean requests ended,
+    # though the abort came first (two runs on an idle machine: prefills [1 with 0 running, 3
+    # with 1]).
     prefills = PREFILL.findall(guarded.log.read_text(errors="replace")[mark:])
     assert sum(int(seqs) for seqs, _ in prefills) == len(poisoned), prefills
-    assert all(0 < n <= LONG // 2 for n in decoded_at_send), decoded_at_send
+    return decoded_at_send
 
 
 def test_a_poisoned_requests_kv_stays_out_of_the_prefix_cache(
